@@ -378,8 +378,12 @@ def save_checkpoint(path, model, tokenizer=None, extra_tensors=None, extra_files
     tmp, old = path.rstrip("/") + ".tmp", path.rstrip("/") + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    tensors = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v.detach().contiguous().cpu()
-               for k, v in model.state_dict().items() if "router" not in k and "lora" not in k}
+    tensors = {}
+    for k, v in model.state_dict().items():
+        if "router" in k or "lora_" in k:
+            continue  # routers and LoRA factors are not Llama weights: wide.py passes them as extra_tensors
+        k = k.replace(".base.weight", ".weight")  # a LoRA-wrapped projection keeps its frozen W as .base
+        tensors["lm_head.weight" if k == "lm_head.weight" else f"model.{k}"] = v.detach().contiguous().cpu()
     tensors.update({k: v.detach().contiguous().cpu() for k, v in (extra_tensors or {}).items()})
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w") as f:
