@@ -21,6 +21,7 @@ from importlib import resources
 
 import torch
 
+import wide
 from model import CheckpointError, ModelConfig, Transformer, load_tokenizer, save_checkpoint
 
 # Whole plays held out for validation: one comedy, one history, one tragedy (about 8% of the text).
@@ -105,19 +106,24 @@ def val_windows(data, block_size, max_windows=None):
 
 
 @torch.no_grad()
-def evaluate(model, x, y, batch_size, device, loss_fn=None):
-    """Mean held-out cross-entropy over the given windows (model in eval mode: routing deterministic)."""
+def evaluate(model, x, y, batch_size, device):
+    """Held-out cross-entropy over the given windows, and the skip rates the routers chose for them.
+
+    The model is in eval mode, so routing is the deterministic z_skip > z_exec rule, not a Gumbel sample.
+    """
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total, count, rates = 0.0, 0, {}
     for i in range(0, len(x), batch_size):
         xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
         with autocast(device):
             _, loss = model(xb, yb)
         total += loss.item() * yb.numel()
         count += yb.numel()
+        for k, v in wide.skip_rates(model).items():
+            rates[k] = rates.get(k, 0.0) + v.item() * yb.numel()
     model.train(was_training)
-    return total / count
+    return total / count, {k: v / count for k, v in rates.items()}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -147,6 +153,7 @@ def train_loop(model, params, data, val, args, *, steps, lr, min_lr, warmup, wei
 
     extra_loss(model) -> (tensor, dict) adds a term to the cross-entropy (WIDE's sparsity penalty);
     on_step(step) runs before each step (WIDE's temperature schedule); log_extra() adds to the line.
+    Skip rates print as "train/val": Gumbel-sampled in training, deterministic on the held-out plays.
     """
     device = args.device
     decay = [p for p in params if p.dim() >= 2]
@@ -181,18 +188,20 @@ def train_loop(model, params, data, val, args, *, steps, lr, min_lr, warmup, wei
 
         last = step == steps - 1
         if step % args.eval_interval == 0 or last:
-            val_loss = evaluate(model, vx, vy, args.batch_size, device)
+            val_loss, val_rates = evaluate(model, vx, vy, args.batch_size, device)
             now = time.time()
             done = step + 1
             rate = tokens_per_step * (done if step == 0 else args.eval_interval) / max(now - t_last, 1e-9)
             eta = (now - t0) / done * (steps - done)
             line = (f"{name} step {done:5d}/{steps} | train {loss.item():.3f} | val {val_loss:.3f} "
                     f"| {rate / 1e3:6.1f}k tok/s | ETA {fmt_time(eta)}")
+            if val_rates:  # realized sparsity: Gumbel samples in training, deterministic on held-out text
+                line += " | skip " + " ".join(f"{k} {float(stats[k]):.2f}/{v:.2f}" for k, v in val_rates.items())
             if log_extra is not None:
-                line += " | " + log_extra(stats)
+                line += " | " + log_extra()
             print(line, flush=True)
-            history.append(dict(step=done, train_loss=loss.item(), val_loss=val_loss, **{
-                k: float(v) for k, v in stats.items()}))
+            history.append(dict(step=done, train_loss=loss.item(), val_loss=val_loss,
+                                train_skip={k: float(v) for k, v in stats.items()}, val_skip=val_rates))
             t_last = now
     return dict(steps=steps, seconds=round(time.time() - t0, 1), history=history)
 
@@ -238,13 +247,68 @@ def train_base(args, train_texts, val_texts):
     return model, tok
 
 
-def load_data_for(tok, train_texts, val_texts):
-    return encode_plays(tok, train_texts), encode_plays(tok, val_texts)
+def run_dir(args, wcfg, stage):
+    """out/wide-s0.5-stage1, out/layerskip-s0.25-stage2, out/wide-a0.6-f0.4-stage1, ..."""
+    t = f"a{wcfg.attn_target:g}-f{wcfg.ffn_target:g}" if wcfg.attn_target is not None else f"s{wcfg.target:g}"
+    return os.path.join(args.out_dir, f"{wcfg.method}-{t}-stage{stage}")
+
+
+def train_stage(args, wcfg, stage, tok, data, val):
+    """Stage 1: routers on a frozen backbone. Stage 2: LoRA + routers, starting from stage 1's routers."""
+    t0 = time.time()
+    if stage == 1:
+        model = Transformer.from_pretrained(args.base_dir, device=args.device)
+        model.requires_grad_(False)
+        wide.install_routers(model, wcfg)
+        steps, lr = args.stage1_steps, args.stage1_lr
+    else:
+        src = run_dir(args, wcfg, 1)
+        model, wcfg1 = wide.load_wide(src, device=args.device)
+        model.requires_grad_(False)
+        wide.install_lora(model, args.lora_rank, args.lora_alpha)
+        wcfg.lora_rank, wcfg.lora_alpha = args.lora_rank, args.lora_alpha
+        steps, lr = args.stage2_steps, args.stage2_lr
+    wcfg.stage = stage
+    params = [p for n, p in model.named_parameters() if "router" in n or "lora_" in n]
+    for p in params:
+        p.requires_grad_(True)
+    name = f"{wcfg.method} s{stage}"
+    print(f"{name}: {sum(p.numel() for p in params) / 1e3:.1f}k trainable parameters "
+          f"({'routers' if stage == 1 else 'LoRA + routers'}), target {describe_target(wcfg)}", flush=True)
+
+    def penalty(m):
+        rates = wide.skip_rates(m)
+        return wide.sparsity_penalty(rates, wcfg), {k: v.detach() for k, v in rates.items()}
+
+    log = train_loop(model, params, data, val, args, steps=steps, lr=lr, min_lr=0.0,
+                     warmup=max(1, steps // 10), weight_decay=0.01, name=name, extra_loss=penalty,
+                     on_step=lambda step: wide.set_temperature(model, wide.temperature(step, steps)),
+                     log_extra=lambda: f"tau {next(wide.routers(model)).tau:.2f}")
+    out = run_dir(args, wcfg, stage)
+    wide.save_wide(out, model, tok, wcfg, train_state=dict(stage=stage, args=vars(args), **log))
+    print(f"{name}: saved {out} ({fmt_time(time.time() - t0)})", flush=True)
+
+
+def describe_target(wcfg):
+    if wcfg.attn_target is not None:
+        return f"attention {wcfg.attn_target:g}, FFN {wcfg.ffn_target:g}"
+    return f"{wcfg.target:g}" + (" (mean of attention and FFN skip rates)" if wcfg.method == "wide" else "")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", default="all", choices=["all", "base"], help="which stages to run")
+    p.add_argument("--stage", default="all", choices=["all", "base", "1", "2"],
+                   help="all = base (if missing) + stage 1 + stage 2")
+    p.add_argument("--method", default="wide", choices=["wide", "layerskip"])
+    p.add_argument("--sparsity", type=float, nargs="+", default=[0.5],
+                   help="target(s) s*: for wide the mean of the attention and FFN skip rates")
+    p.add_argument("--attn-sparsity", type=float, help="separate attention target (with --ffn-sparsity)")
+    p.add_argument("--ffn-sparsity", type=float, help="separate FFN target (with --attn-sparsity)")
+    p.add_argument("--attn-group-size", type=int, default=0, help="query heads per decision (0 = one KV group)")
+    p.add_argument("--ffn-group-size", type=int, default=32, help="intermediate channels per decision")
+    p.add_argument("--rank", type=int, default=32, help="router bottleneck rank")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--preset", default="tiny", help="model preset for base pretraining")
     p.add_argument("--out-dir", default="out", help="checkpoints go to OUT/base, OUT/<method>-s<target>-stage<n>")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -253,6 +317,10 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=128, help="training context in tokens")
     p.add_argument("--base-steps", type=int, default=1500)
     p.add_argument("--base-lr", type=float, default=2e-3)
+    p.add_argument("--stage1-steps", type=int, default=400)
+    p.add_argument("--stage1-lr", type=float, default=2e-3)
+    p.add_argument("--stage2-steps", type=int, default=400)
+    p.add_argument("--stage2-lr", type=float, default=2e-4)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--eval-interval", type=int, default=100)
     p.add_argument("--val-windows", type=int, default=64, help="held-out windows scored at each interval")
@@ -262,18 +330,41 @@ def main(argv=None):
     args.base_dir = os.path.join(args.out_dir, "base")
     try:
         ModelConfig.from_name(args.preset)
+        targets = [wide.WideConfig(method=args.method, target=s, attn_target=args.attn_sparsity,
+                                   ffn_target=args.ffn_sparsity, attn_group_size=args.attn_group_size,
+                                   ffn_group_size=args.ffn_group_size, rank=args.rank)
+                   for s in ([0.0] if args.attn_sparsity is not None else args.sparsity)]
+        for w in targets:
+            wide.check_groups(ModelConfig.from_name(args.preset), w)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
 
+    t0 = time.time()
     train_texts, val_texts = split_plays()
-    if args.retrain_base or not os.path.exists(os.path.join(args.base_dir, "config.json")):
+    have_base = os.path.exists(os.path.join(args.base_dir, "config.json"))
+    if args.stage == "base" or (args.stage == "all" and (args.retrain_base or not have_base)):
         train_base(args, train_texts, val_texts)
-    else:
+    elif args.stage == "all":
         print(f"base: {args.base_dir} exists, skipping pretraining (--retrain-base to redo it)")
+    if args.stage == "base":
+        return
+    tok = load_tokenizer(args.base_dir)
+    data, val_data = encode_plays(tok, train_texts), encode_plays(tok, val_texts)
+    val = val_windows(val_data, args.block_size, args.val_windows)
+    for wcfg in targets:
+        wide.check_groups(Transformer.config_from_dir(args.base_dir), wcfg)
+        if args.stage in ("all", "1"):
+            train_stage(args, wcfg, 1, tok, data, val)
+        if args.stage in ("all", "2"):
+            if not os.path.exists(os.path.join(run_dir(args, wcfg, 1), "wide.json")):
+                raise SystemExit(f"error: stage 2 starts from {run_dir(args, wcfg, 1)}, which does not exist; "
+                                 "run stage 1 first (python train.py --stage 1 ...)")
+            train_stage(args, wcfg, 2, tok, data, val)
+    print(f"done in {fmt_time(time.time() - t0)}")
 
 
 if __name__ == "__main__":
     try:
         main()
-    except CheckpointError as e:
+    except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}")

@@ -1,0 +1,312 @@
+"""
+WIDE: token-level dynamic width. Every layer gets two tiny routers; per token, one picks which
+attention head groups run, the other which FFN channel groups run.
+
+    x_l ──► attn router ──► head_mask [B,T,G_a] ──► zero skipped heads before o_proj   (model.py)
+    h_l ──► FFN router  ──► channel_mask [B,T,G_f] ─► zero skipped channels before down_proj
+
+Training ("mask simulation": the dense model runs, masks zero what is skipped):
+  - each group draws execute/skip from a 2-way hard Gumbel-softmax, straight-through gradients;
+  - temperature falls linearly 5 -> 0.5 over each stage's steps (restarting per stage);
+  - loss = CE + 20 * |s* - (r_attn + r_ffn) / 2|, rates counted over valid tokens x layers x groups.
+Inference: skip a group iff z_skip > z_exec (deterministic, per token, batch-independent).
+
+Also here, in the same harness: LoRA (stage 2) with an exact merge, the layer-skip (dynamic depth)
+baseline, static width, training-free TEAL-style thresholds, and FLOP accounting.
+"""
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import CheckpointError, Transformer, load_safetensors_dir, save_checkpoint
+
+PENALTY_WEIGHT = 20.0  # the paper's (hard-coded) weight on the L1 sparsity penalty
+
+
+@dataclass
+class WideConfig:
+    method: str = "wide"          # "wide" (head + channel groups) or "layerskip" (whole layers)
+    target: float = 0.5           # shared target s*: the mean of the attention and FFN skip rates
+    attn_target: float = None     # separate targets instead (both or neither)
+    ffn_target: float = None
+    attn_group_size: int = 0      # query heads per decision; 0 = n_heads // n_kv_heads (one KV group)
+    ffn_group_size: int = 32      # contiguous intermediate channels per decision
+    rank: int = 32                # router bottleneck (clipped to the model width)
+    lora_rank: int = 0            # 0 = no LoRA (stage 1); stage 2 uses 16
+    lora_alpha: float = 32.0
+    stage: int = 1
+
+
+def check_groups(model_cfg, wcfg):
+    """Fill in the default attention group size and check that both group sizes divide."""
+    if wcfg.attn_group_size == 0:
+        wcfg.attn_group_size = model_cfg.n_heads // model_cfg.n_kv_heads
+    if model_cfg.n_heads % wcfg.attn_group_size:
+        raise ValueError(f"attn_group_size {wcfg.attn_group_size} does not divide the {model_cfg.n_heads} "
+                         f"query heads; pick a divisor such as {model_cfg.n_heads // model_cfg.n_kv_heads}")
+    if model_cfg.intermediate_size % wcfg.ffn_group_size:
+        raise ValueError(f"ffn_group_size {wcfg.ffn_group_size} does not divide the FFN size "
+                         f"{model_cfg.intermediate_size}; pick a divisor such as 32")
+    for name in ("target", "attn_target", "ffn_target"):
+        v = getattr(wcfg, name)
+        if v is not None and not 0.0 <= v < 1.0:
+            raise ValueError(f"sparsity {name} = {v} is outside [0, 1)")
+    if (wcfg.attn_target is None) != (wcfg.ffn_target is None):
+        raise ValueError("give both separate targets (attention and FFN) or neither")
+    return model_cfg.n_heads // wcfg.attn_group_size, model_cfg.intermediate_size // wcfg.ffn_group_size
+
+
+# ----------------------------------------------------------------------------------------------------
+# the router
+
+
+class Router(nn.Module):
+    """Linear(D, r) -> Linear(r, 2G), no activation: a (execute, skip) logit pair per group.
+
+    Kept in fp32 even under bf16 autocast (the paper's are bf16): the decision is a sign test on a
+    logit difference, and we want it to be the same whatever precision the backbone runs in.
+    """
+
+    def __init__(self, dim, n_groups, rank):
+        super().__init__()
+        self.n_groups = n_groups
+        self.down = nn.Linear(dim, min(rank, dim))
+        self.up = nn.Linear(min(rank, dim), 2 * n_groups)
+        for lin in (self.down, self.up):
+            nn.init.kaiming_uniform_(lin.weight, nonlinearity="linear")
+            nn.init.zeros_(lin.bias)
+        self.tau = 5.0      # Gumbel temperature, set by the stage's schedule
+        self.keep = None    # the last mask [B, T, G] (1 = execute), read by the sparsity bookkeeping
+
+    def logits(self, x):
+        with torch.autocast(x.device.type, enabled=False):
+            z = self.up(self.down(x.float()))
+        return z.view(*x.shape[:-1], self.n_groups, 2)  # [..., G, (execute, skip)]
+
+    def forward(self, x):
+        z = self.logits(x)
+        if self.training:
+            gumbel = -torch.empty_like(z).exponential_().log()        # Gumbel(0, 1) noise
+            soft = F.softmax((z + gumbel) / self.tau, dim=-1)
+            hard = F.one_hot(soft.argmax(-1), 2).to(soft.dtype)
+            # Straight-through: the forward value is exactly the hard 0/1 sample (soft - soft == 0),
+            # the backward pass uses the gradient of the soft sample.
+            y = hard + (soft - soft.detach())
+            keep = y[..., 0]
+        else:
+            keep = (z[..., 1] <= z[..., 0]).float()  # skip iff z_skip > z_exec; a tie executes
+        self.keep = keep
+        return keep
+
+
+class FixedMask(nn.Module):
+    """Static width: one mask for every token (no router), broadcast to [B, T, G]."""
+
+    def __init__(self, keep):
+        super().__init__()
+        self.register_buffer("keep_groups", keep.float())
+        self.keep = None
+
+    def forward(self, x):
+        self.keep = self.keep_groups.expand(*x.shape[:-1], -1)
+        return self.keep
+
+
+def temperature(step, steps, tau0=5.0, tau1=0.5):
+    """Linear 5 -> 0.5 over a stage's optimizer steps (each stage starts again at 5)."""
+    return tau0 - (tau0 - tau1) * step / max(1, steps - 1)
+
+
+def set_temperature(model, tau):
+    for r in routers(model):
+        if isinstance(r, Router):
+            r.tau = tau
+
+
+def routers(model):
+    for layer in model.layers:
+        for r in (layer.attn_router, layer.ffn_router, layer.layer_router):
+            if r is not None:
+                yield r
+
+
+def install_routers(model, wcfg):
+    """Give every layer its routers (WIDE: attention + FFN; layer-skip: one per layer, G = 1)."""
+    cfg = model.config
+    n_attn, n_ffn = check_groups(cfg, wcfg)
+    device = model.embed_tokens.weight.device
+    for layer in model.layers:
+        if wcfg.method == "wide":
+            layer.attn_router = Router(cfg.dim, n_attn, wcfg.rank).to(device)
+            layer.ffn_router = Router(cfg.dim, n_ffn, wcfg.rank).to(device)
+        elif wcfg.method == "layerskip":
+            layer.layer_router = Router(cfg.dim, 1, wcfg.rank).to(device)
+        else:
+            raise ValueError(f"unknown method {wcfg.method!r}; use wide or layerskip")
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# sparsity bookkeeping and the penalty
+
+
+def skip_rates(model, valid=None):
+    """Fraction of groups skipped, per type, over valid tokens x layers x groups (padding excluded).
+
+    valid: optional [B, T] bool/0-1 mask of real tokens. Returns {"attn": r, "ffn": r} (or {"layer": r}),
+    each a differentiable scalar when the masks came from Gumbel samples.
+    """
+    rates = {}
+    for name in ("attn", "ffn", "layer"):
+        per_layer = []
+        for layer in model.layers:
+            r = getattr(layer, f"{name}_router")
+            if r is None or r.keep is None:
+                continue
+            skip = 1.0 - r.keep                                   # [B, T, G]
+            if valid is None:
+                per_layer.append(skip.mean())
+            else:
+                v = valid.to(skip.dtype).unsqueeze(-1)
+                per_layer.append((skip * v).sum() / (v.sum() * skip.shape[-1]).clamp(min=1))
+        if per_layer:
+            rates[name] = torch.stack(per_layer).mean()
+    return rates
+
+
+def sparsity_penalty(rates, wcfg):
+    """20 * |s* - mean rate| (shared target), or the mean of the two L1 terms (separate targets)."""
+    if "layer" in rates:
+        return PENALTY_WEIGHT * (wcfg.target - rates["layer"]).abs()
+    if wcfg.attn_target is not None:
+        return PENALTY_WEIGHT * 0.5 * ((wcfg.attn_target - rates["attn"]).abs()
+                                       + (wcfg.ffn_target - rates["ffn"]).abs())
+    return PENALTY_WEIGHT * (wcfg.target - 0.5 * (rates["attn"] + rates["ffn"])).abs()
+
+
+# ----------------------------------------------------------------------------------------------------
+# FLOP accounting
+
+
+def linear_flops(cfg, wcfg=None):
+    """Per-token multiply-adds of each linear layer (x2 for FLOPs does not change any fraction)."""
+    D, H, Hkv, d, I = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size
+    f = dict(q=D * H * d, kv=2 * D * Hkv * d, o=H * d * D, ffn=3 * D * I, head=D * cfg.vocab_size)
+    if wcfg is not None:  # the routers run for every token
+        r = min(wcfg.rank, D)
+        n_attn, n_ffn = check_groups(cfg, wcfg) if wcfg.method == "wide" else (0, 0)
+        per_router = lambda g: D * r + r * 2 * g
+        f["router"] = (per_router(n_attn) + per_router(n_ffn)) if wcfg.method == "wide" else per_router(1)
+    return f
+
+
+def flop_fraction(cfg, wcfg, keep_attn, keep_ffn, keep_layer=None):
+    """Executed / dense linear FLOPs, given mean keep fractions per layer (lists of length L).
+
+    K/V projections and the output head always run (the KV cache stays complete); a layer-skipped
+    token still computes its K/V, as in the paper's baseline. Router FLOPs count as executed.
+    """
+    f = linear_flops(cfg, wcfg)
+    L = cfg.n_layers
+    dense = L * (f["q"] + f["kv"] + f["o"] + f["ffn"]) + f["head"]
+    done = f["head"] + L * (f.get("router", 0) + f["kv"])
+    for l in range(L):
+        if keep_layer is not None:
+            done += keep_layer[l] * (f["q"] + f["o"] + f["ffn"])
+        else:
+            done += keep_attn[l] * (f["q"] + f["o"]) + keep_ffn[l] * f["ffn"]
+    return done / dense
+
+
+# ----------------------------------------------------------------------------------------------------
+# LoRA (stage 2)
+
+
+class LoRALinear(nn.Module):
+    """y = W x + (alpha / r) * B A dropout(x), with W frozen; B starts at zero so training starts at W."""
+
+    def __init__(self, base, rank, alpha, dropout=0.1):
+        super().__init__()
+        self.base = base
+        self.scale = alpha / rank
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.base(x) + self.scale * F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
+
+    @torch.no_grad()
+    def merged(self):
+        """An ordinary Linear with W + (alpha/r) B A: the same function, no extra cost at inference."""
+        lin = nn.Linear(self.base.in_features, self.base.out_features, bias=False, device=self.base.weight.device)
+        delta = self.scale * (self.lora_B.double() @ self.lora_A.double())
+        lin.weight.copy_((self.base.weight.double() + delta).to(self.base.weight.dtype))
+        return lin
+
+
+LORA_TARGETS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+                ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def install_lora(model, rank, alpha, dropout=0.1):
+    for layer in model.layers:
+        for parent, name in LORA_TARGETS:
+            mod = getattr(layer, parent)
+            setattr(mod, name, LoRALinear(getattr(mod, name), rank, alpha, dropout))
+    return model
+
+
+def merge_lora(model):
+    for layer in model.layers:
+        for parent, name in LORA_TARGETS:
+            mod = getattr(layer, parent)
+            if isinstance(getattr(mod, name), LoRALinear):
+                setattr(mod, name, getattr(mod, name).merged())
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpoints: the dense weights (HF layout) + router / LoRA tensors + wide.json
+
+
+def save_wide(path, model, tokenizer, wcfg, train_state=None):
+    extra = {f"model.{k}": v for k, v in model.state_dict().items() if "router" in k or "lora_" in k}
+    files = {"wide.json": asdict(wcfg)}
+    if train_state is not None:
+        files["train_state.json"] = train_state
+    save_checkpoint(path, model, tokenizer, extra_tensors=extra, extra_files=files)
+
+
+def load_wide(path, device="cpu", dtype=torch.float32, merge=True):
+    """A WIDE or layer-skip checkpoint -> (model with routers, WideConfig). LoRA is merged by default."""
+    file = os.path.join(path, "wide.json")
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file} is missing: {path!r} is not a router checkpoint (train one with train.py)")
+    try:
+        with open(file) as f:
+            wcfg = WideConfig(**json.load(f))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise CheckpointError(f"{file} is corrupt ({e})") from None
+    model = Transformer.from_pretrained(path, device=device, dtype=dtype)
+    install_routers(model, wcfg)
+    if wcfg.lora_rank:
+        install_lora(model, wcfg.lora_rank, wcfg.lora_alpha)
+    state = load_safetensors_dir(path)
+    extra = {k[len("model."):]: v for k, v in state.items() if "router" in k or "lora_" in k}
+    expected = {k for k in model.state_dict() if "router" in k or "lora_" in k}
+    if set(extra) != expected:
+        raise CheckpointError(f"{path!r}: router/LoRA tensors do not match wide.json "
+                              f"(missing {sorted(expected - set(extra))[:2]}, unexpected {sorted(set(extra) - expected)[:2]})")
+    model.load_state_dict(extra, strict=False)
+    for r in routers(model):
+        r.float()
+    if merge:
+        merge_lora(model)
+    return model.to(device), wcfg
