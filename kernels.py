@@ -1,0 +1,717 @@
+"""
+WIDE kernels: compute only the (token, group) blocks that the routers switched on.
+
+Every op has two implementations driven by the same bool mask (True = the group executes):
+  * a PyTorch reference twin (`*_ref`): compute dense, then zero the pruned slots. It is the
+    training path and the ground truth of the tests.
+  * Triton kernels that skip the pruned work: mask reordering (`layout`), block-level skipping
+    (a tile with no active token exits before loading anything) and intra-block skipping
+    (inactive rows inside a live tile are predicated off, so they cost no memory traffic).
+One dispatch point picks between them: `backend="torch" | "triton" | "auto"` (auto = triton on CUDA).
+
+Ops (shapes as the model calls them):
+  layout(mask[M,G])                          -> Layout (counts, stable perm, work list), built once
+  gemm_mn(x[M,K], w[N,K], mask, group_size)  -> [M,N]  Q proj; gate+up fused with silu(gate)*up
+  gemm_k(a[M,K], w[N,K], mask, group_size)   -> [M,N]  O proj, down proj: (a * mask) @ w.T
+  attention_prefill(q[B,H,T,d], k, v[B,Hkv,T,d], head_mask[B,T,G])          -> [B,H,T,d]
+  attention_decode(q[B,H,1,d], k_cache, v_cache[B,Hkv,L,d], head_mask[B,G], kv_len[B])
+Pruned outputs are exactly 0 in both backends.
+"""
+import math
+import os
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+SMALL_M = 16  # at most this many tokens: the decode (GEMV) paths, no layout needed
+
+# Block sizes. Hand-picked on an H200 (bench.py tune); the interpreter gets tiny fixed ones.
+CONFIGS = {
+    "block_m": 128,  # layout tile (gemm_mn token tile, gemm_k atomic token tile)
+    "gemm_mn": dict(BN=128, BK=64, num_warps=8, num_stages=4),
+    "gemm_mn_fused": dict(BN=128, BK=64, num_warps=8, num_stages=3),
+    "gemv_mn": dict(BN=16, BK=256, num_warps=4, num_stages=3, programs_per_sm=4),
+    "gemm_k": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
+    "gemm_k_small": dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=4),
+    "gemm_k_atomic": dict(BN=128, BK=64, num_warps=8, num_stages=3),
+    "attn_prefill": dict(BM=128, BN=64, num_warps=8, num_stages=3),
+    "attn_decode": dict(BN=64, SPLIT=512, num_warps=4, num_stages=3),
+}
+if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per element
+    CONFIGS.update({
+        "block_m": 16,
+        "gemm_mn": dict(BN=32, BK=32), "gemm_mn_fused": dict(BN=32, BK=32),
+        "gemv_mn": dict(BN=16, BK=32, programs_per_sm=1),
+        "gemm_k": dict(BM=16, BN=32, BK=16), "gemm_k_small": dict(BM=16, BN=32, BK=16),
+        "gemm_k_atomic": dict(BN=32, BK=16),
+        "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, SPLIT=32),
+    })
+
+
+def _empty(shape, dtype, device):
+    # Every output and scratch buffer comes from here (the tests poison it to catch unwritten slots).
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _use_triton(backend, t):
+    if backend == "auto":
+        return t.is_cuda
+    if backend == "triton":
+        if not (t.is_cuda or INTERPRET):
+            raise RuntimeError("backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+        return True
+    if backend == "torch":
+        return False
+    raise ValueError(f"backend must be 'torch', 'triton' or 'auto', got {backend!r}")
+
+
+def _num_sms(device):
+    if INTERPRET or device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _pow2_divisor(n, cap):
+    # The largest power of two <= cap that divides n (tiles must not straddle a group).
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def _launch(cfg):
+    return {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: mask reordering, built once per router decision and reused by the paired ops
+# ---------------------------------------------------------------------------------------------
+class Layout(NamedTuple):
+    mask: torch.Tensor          # [M, G] bool, tokens flattened batch-major (M = B*T)
+    counts: torch.Tensor        # [G] int32, active tokens per group
+    perm: torch.Tensor          # [G, M] int32, per group: active tokens ascending, then inactive ascending
+    work: torch.Tensor          # [G * cdiv(M, block_m)] int32, item g*n_tiles+tile; live tiles first
+    batch_counts: torch.Tensor  # [B, G] int32, active tokens per (sequence, group), for attention
+    block_m: int
+    batch: int
+
+
+@triton.jit
+def _layout_kernel(mask, counts, bcounts, perm, T, G, M, BLOCK: tl.constexpr):
+    """Stable partition of one group's tokens (the routing layout), by prefix sums.
+
+    Grid (G,). Pass 1 counts the active tokens per sequence; pass 2 sends active token t to
+    (#active before t) and inactive t to count + (#inactive before t), so both halves keep
+    ascending token order. That order is what keeps causal attention tiles tight.
+    Twin: layout_ref (a stable torch.sort).
+    """
+    g = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    B = M // T
+    n = tl.zeros([], tl.int32)
+    for b in range(0, B):
+        nb = tl.zeros([], tl.int32)
+        for t0 in range(0, T, BLOCK):
+            t = t0 + offs
+            bits = tl.load(mask + (b * T + t) * G + g, mask=t < T, other=0).to(tl.int32)
+            nb += tl.sum(bits, 0)
+        tl.store(bcounts + b * G + g, nb)
+        n += nb
+    tl.store(counts + g, n)
+    seen = tl.zeros([], tl.int32)
+    for m0 in range(0, M, BLOCK):
+        m = m0 + offs
+        bits = tl.load(mask + m * G + g, mask=m < M, other=0).to(tl.int32)
+        incl = seen + tl.cumsum(bits, 0)
+        dst = tl.where(bits > 0, incl - 1, n + m - incl)
+        tl.store(perm + g * M + dst, m, mask=m < M)
+        seen += tl.sum(bits, 0)
+
+
+@triton.jit
+def _worklist_kernel(counts, work, G, T, BM: tl.constexpr, GP: tl.constexpr):
+    """The compact work list: live (group, token-tile) items first, group-major, then the dead ones.
+
+    Grid (1,). A tile is live when tile*BM < count[g]. Kernels launch one program per item and
+    dead items (which only write zeros, or nothing) come last, so the first waves are all real work.
+    Twin: layout_ref.
+    """
+    gg = tl.arange(0, GP)
+    gok = gg < G
+    tiles = (tl.load(counts + gg, mask=gok, other=0) + BM - 1) // BM
+    live_before = tl.cumsum(tiles, 0) - tiles
+    n_live = tl.sum(tiles, 0)
+    dead = tl.where(gok, T - tiles, 0)
+    dead_before = tl.cumsum(dead, 0) - dead
+    for i in range(0, T):
+        dst = tl.where(i < tiles, live_before + i, n_live + dead_before + i - tiles)
+        tl.store(work + dst, gg * T + i, mask=gok)
+
+
+def layout_ref(mask, block_m):
+    """Torch twin of `layout`: the same partition through a stable sort."""
+    mask3 = mask if mask.dim() == 3 else mask[None]
+    B, T, G = mask3.shape
+    flat = mask3.reshape(B * T, G)
+    counts = flat.sum(0, dtype=torch.int32)
+    perm = torch.sort((~flat).to(torch.uint8).t(), dim=1, stable=True).indices.to(torch.int32)
+    n_tiles = triton.cdiv(B * T, block_m)
+    live = torch.arange(n_tiles, device=mask.device)[None, :] * block_m < counts[:, None]
+    work = torch.sort((~live).flatten().to(torch.uint8), stable=True).indices.to(torch.int32)
+    return Layout(flat.contiguous(), counts, perm.contiguous(), work,
+                  mask3.sum(1, dtype=torch.int32), block_m, B)
+
+
+def layout(mask, block_m=None, backend="auto"):
+    """Build the routing layout of a bool mask [M, G] or [B, T, G] (True = group executes)."""
+    block_m = block_m or CONFIGS["block_m"]
+    if not _use_triton(backend, mask):
+        return layout_ref(mask, block_m)
+    mask3 = mask if mask.dim() == 3 else mask[None]
+    B, T, G = mask3.shape
+    M, dev = B * T, mask.device
+    flat = mask3.reshape(M, G).contiguous()
+    counts, perm = _empty((G,), torch.int32, dev), _empty((G, M), torch.int32, dev)
+    bcounts = _empty((B, G), torch.int32, dev)
+    n_tiles = triton.cdiv(M, block_m)
+    work = _empty((G * n_tiles,), torch.int32, dev)
+    # The line that builds the layout: one stable prefix-sum partition per group, then the work list.
+    _layout_kernel[(G,)](flat.view(torch.uint8), counts, bcounts, perm, T, G, M,
+                         BLOCK=min(1024, triton.next_power_of_2(M)))
+    _worklist_kernel[(1,)](counts, work, G, n_tiles, BM=block_m, GP=max(2, triton.next_power_of_2(G)))
+    return Layout(flat, counts, perm, work, bcounts, block_m, B)
+
+
+def _as_layout(mask_or_layout, backend="auto"):
+    if isinstance(mask_or_layout, Layout):
+        return mask_or_layout
+    return layout(mask_or_layout, backend=backend)
+
+
+def _flat_mask(mask_or_layout):
+    if isinstance(mask_or_layout, Layout):
+        return mask_or_layout.mask
+    m = mask_or_layout
+    return (m.reshape(-1, m.shape[-1]) if m.dim() == 3 else m).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# gemm_mn: output-channel groups pruned (Q projection; gate+up with a silu(gate)*up epilogue)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, T, sxm, swn, som,
+                    GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    FUSED: tl.constexpr, ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+                    IEEE: tl.constexpr):
+    """out[t, n] = x[t] . w[n] (or silu(x.w[n]) * x.w_up[n]) for the tokens t that run n's group.
+
+    Grid (len(work), GS // BN). Program = one work item (group g, tile of BM tokens in g's sorted
+    order) x one BN slice of g's output channels. Tiles past count[g] hold no active token: they
+    exit before loading x or w (block skip) and only write zeros (ZERO). In the boundary tile the
+    rows past count[g] are predicated off in the x loads (intra-block skip) and stored as zeros.
+    Twin: gemm_mn_ref.
+    """
+    item = tl.load(work + tl.program_id(0))
+    g, tile = item // T, item % T
+    count = tl.load(counts + g)
+    p = tile * BM + tl.arange(0, BM)
+    rows = tl.load(perm + g * M + p, mask=p < M, other=0).to(tl.int64)
+    cols = g * GS + tl.program_id(1) * BN + tl.arange(0, BN)
+    optr = out + rows[:, None] * som + cols[None, :]
+    if tile * BM >= count:  # dead tile: no token here runs group g -> return before any load
+        if ZERO:
+            tl.store(optr, tl.zeros([BM, BN], out.dtype.element_ty), mask=(p < M)[:, None])
+        return
+    ok = p < count
+    kk = tl.arange(0, BK)
+    xp = x + rows[:, None] * sxm + kk[None, :]
+    wp = w + cols[:, None].to(tl.int64) * swn + kk[None, :]
+    up = w_up + cols[:, None].to(tl.int64) * swn + kk[None, :]
+    acc = tl.zeros([BM, BN], tl.float32)
+    acc_up = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            a = tl.load(xp + k0, mask=ok[:, None], other=0.0)
+            b = tl.load(wp + k0)
+        else:
+            kok = (k0 + kk < K)[None, :]
+            a = tl.load(xp + k0, mask=ok[:, None] & kok, other=0.0)
+            b = tl.load(wp + k0, mask=kok, other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee" if IEEE else "tf32")
+        if FUSED:
+            if EVEN_K:
+                bu = tl.load(up + k0)
+            else:
+                bu = tl.load(up + k0, mask=kok, other=0.0)
+            acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision="ieee" if IEEE else "tf32")
+    if FUSED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, in fp32
+    acc = tl.where(ok[:, None], acc, 0.0)
+    tl.store(optr, acc.to(out.dtype.element_ty), mask=(p < M if ZERO else ok)[:, None])
+
+
+@triton.jit
+def _gemv_mn_kernel(x, w, w_up, out, mask, M, N, K, G, sxm, swn, som,
+                    GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, FUSED: tl.constexpr, EVEN_K: tl.constexpr,
+                    IEEE: tl.constexpr):
+    """Decode gemm_mn (M <= BT tokens): the weight rows of groups no token runs are never read.
+
+    Grid (P,), persistent. Each program reads the mask itself (no layout, one launch), lists the
+    live groups (some token runs them), and takes an equal share of their output channels, so
+    every program streams the same number of weight bytes. Inactive (token, group) outputs and
+    the channels of dead groups are written as zeros. Twin: gemm_mn_ref.
+    """
+    pid, P = tl.program_id(0), tl.num_programs(0)
+    t = tl.arange(0, BT)
+    gg = tl.arange(0, GP)
+    bits = tl.load(mask + t[:, None] * G + gg[None, :], mask=(t < M)[:, None] & (gg < G)[None, :],
+                   other=0).to(tl.int32)
+    live = (tl.max(bits, 0) > 0).to(tl.int32)
+    dead = tl.where(gg < G, 1 - live, 0)
+    live_rank, dead_rank = tl.cumsum(live, 0), tl.cumsum(dead, 0)
+    R = tl.sum(live, 0) * GS
+    kk = tl.arange(0, BK)
+    for r0 in range(pid * R // P, (pid + 1) * R // P, BN):  # this program's share of live rows
+        rr = r0 + tl.arange(0, BN)
+        rok = rr < (pid + 1) * R // P
+        j = rr // GS  # rank of the live group of each row -> its index
+        g = tl.sum(tl.where((live[None, :] > 0) & (live_rank[None, :] == j[:, None] + 1),
+                            gg[None, :], 0), 1)
+        n = (g * GS + rr % GS).to(tl.int64)
+        acc = tl.zeros([BT, BN], tl.float32)
+        acc_up = tl.zeros([BT, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            amask, bmask = (t < M)[:, None], rok[:, None]
+            if not EVEN_K:
+                amask, bmask = amask & (k0 + kk < K)[None, :], bmask & (k0 + kk < K)[None, :]
+            a = tl.load(x + t[:, None] * sxm + k0 + kk[None, :], mask=amask, other=0.0)
+            b = tl.load(w + n[:, None] * swn + k0 + kk[None, :], mask=bmask, other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee" if IEEE else "tf32")
+            if FUSED:
+                bu = tl.load(w_up + n[:, None] * swn + k0 + kk[None, :], mask=bmask, other=0.0)
+                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision="ieee" if IEEE else "tf32")
+        if FUSED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        smask = (t < M)[:, None] & rok[None, :]
+        on = tl.load(mask + t[:, None] * G + g[None, :], mask=smask, other=0) > 0
+        tl.store(out + t[:, None] * som + n[None, :], tl.where(on, acc, 0.0).to(out.dtype.element_ty),
+                 mask=smask)
+    D = (G * GS - R)  # the dead groups' channels, shared out the same way: zeros only
+    for r0 in range(pid * D // P, (pid + 1) * D // P, BN):
+        rr = r0 + tl.arange(0, BN)
+        rok = rr < (pid + 1) * D // P
+        j = rr // GS
+        g = tl.sum(tl.where((dead[None, :] > 0) & (dead_rank[None, :] == j[:, None] + 1), gg[None, :], 0), 1)
+        n = g * GS + rr % GS
+        tl.store(out + t[:, None] * som + n[None, :], tl.zeros([BT, BN], out.dtype.element_ty),
+                 mask=(t < M)[:, None] & rok[None, :])
+
+
+def gemm_mn_ref(x, w, mask, group_size, w_up=None):
+    """Dense x @ w.T (or silu(x @ w.T) * (x @ w_up.T)), then the pruned groups' outputs set to 0."""
+    m = _flat_mask(mask)
+    y = x @ w.t()
+    if w_up is not None:
+        y = F.silu(y) * (x @ w_up.t())
+    keep = m.repeat_interleave(group_size, dim=1)
+    return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, backend="auto", zero_pruned=True):
+    """Masked linear with output-channel groups: x[M,K], w[N,K], mask [M, N/group_size] -> [M,N].
+
+    With w_up it is the fused SwiGLU input silu(x @ w.T) * (x @ w_up.T) (w = gate).
+    zero_pruned=False skips writing the pruned slots (the kernel then only writes live tiles);
+    only gemm_k with the same mask may consume such an output, since it never reads those slots.
+    """
+    if not _use_triton(backend, x):
+        return gemm_mn_ref(x, w, mask_or_layout, group_size, w_up)
+    M, K = x.shape
+    N = w.shape[0]
+    G = N // group_size
+    assert G * group_size == N and group_size % 16 == 0, "group_size must divide N and be a multiple of 16"
+    fused = w_up is not None
+    x, w = x.contiguous(), w.contiguous()
+    w_up = w_up.contiguous() if fused else w
+    out = _empty((M, N), x.dtype, x.device)
+    ieee = x.dtype == torch.float32
+    if M <= SMALL_M:  # decode: GEMV straight from the mask
+        cfg = CONFIGS["gemv_mn"]
+        m = _flat_mask(mask_or_layout).view(torch.uint8)
+        P = cfg["programs_per_sm"] * _num_sms(x.device)
+        _gemv_mn_kernel[(P,)](x, w, w_up, out, m, M, N, K, G, x.stride(0), w.stride(0), out.stride(0),
+                              GS=group_size, GP=max(2, triton.next_power_of_2(G)), BT=SMALL_M, BN=cfg["BN"],
+                              BK=cfg["BK"], FUSED=fused, EVEN_K=K % cfg["BK"] == 0, IEEE=ieee,
+                              **_launch(cfg))
+        return out
+    lay = _as_layout(mask_or_layout, backend)
+    cfg = CONFIGS["gemm_mn_fused" if fused else "gemm_mn"]
+    BN = _pow2_divisor(group_size, cfg["BN"])
+    T = triton.cdiv(M, lay.block_m)
+    grid = (G * T, group_size // BN)
+    _gemm_mn_kernel[grid](x, w, w_up, out, lay.counts, lay.perm, lay.work, M, N, K, T,
+                          x.stride(0), w.stride(0), out.stride(0), GS=group_size, BM=lay.block_m,
+                          BN=BN, BK=cfg["BK"], FUSED=fused, ZERO=zero_pruned,
+                          EVEN_K=K % cfg["BK"] == 0, IEEE=ieee, **_launch(cfg))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# gemm_k: reduction groups pruned (O projection, down projection)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _gemm_k_kernel(a, w, out, mask, M, N, K, G, sam, swn, som,
+                   GS: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+    """out[t, n] = sum over the groups g that token t runs of a[t, g-slice] . w[n, g-slice].
+
+    Grid (cdiv(M,BM) * cdiv(N,BN),), L2-grouped. Tokens stay in their original order, so the
+    accumulator holds whole output rows and partial sums never leave registers: no atomics, and
+    the result is deterministic (fixed summation order). The K loop visits only the groups that
+    some token of the tile runs (block skip: other groups' weights are never read); inside, the
+    a-rows of inactive tokens are predicated off (intra-block skip: pruned slots are never read,
+    so garbage there is harmless). With M <= 16 this is the decode GEMV. Twin: gemm_k_ref.
+    """
+    pid = tl.program_id(0)
+    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    first = pid // (GROUP_M * n_n) * GROUP_M
+    size = tl.minimum(n_m - first, GROUP_M)
+    pid_m = first + (pid % (GROUP_M * n_n)) % size
+    pid_n = (pid % (GROUP_M * n_n)) // size
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rok, cok = rows < M, cols < N
+    gg = tl.arange(0, GP)
+    bits = tl.load(mask + rows[:, None] * G + gg[None, :], mask=rok[:, None] & (gg < G)[None, :],
+                   other=0).to(tl.int32)
+    live = (tl.max(bits, 0) > 0).to(tl.int32)
+    rank = tl.cumsum(live, 0)
+    STEPS: tl.constexpr = GS // BK
+    kk = tl.arange(0, BK)
+    ap = a + rows[:, None].to(tl.int64) * sam + kk[None, :]
+    wp = w + cols[:, None].to(tl.int64) * swn + kk[None, :]
+    acc = tl.zeros([BM, BN], tl.float32)
+    for it in range(0, tl.sum(live, 0) * STEPS):
+        g = tl.sum(tl.where((live > 0) & (rank == it // STEPS + 1), gg, 0), 0)  # next live group
+        k0 = g * GS + (it % STEPS) * BK
+        on = tl.load(mask + rows * G + g, mask=rok, other=0) > 0
+        at = tl.load(ap + k0, mask=on[:, None], other=0.0)
+        wt = tl.load(wp + k0, mask=cok[:, None], other=0.0)
+        acc = tl.dot(at, tl.trans(wt), acc, input_precision="ieee" if IEEE else "tf32")
+    tl.store(out + rows[:, None] * som + cols[None, :], acc.to(out.dtype.element_ty),
+             mask=rok[:, None] & cok[None, :])
+
+
+@triton.jit
+def _gemm_k_atomic_kernel(a, w, out32, counts, perm, work, M, N, T, sam, swn,
+                          GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          IEEE: tl.constexpr):
+    """The authors' gemm_k scheme, kept for comparison (gemm_k(method="atomic")).
+
+    Grid (len(work), cdiv(N,BN)). Program = one group's sorted token tile x BN outputs; it sums
+    that group's GS columns only (exact FLOP skipping) and atomically adds the partial into an
+    fp32 buffer. Every active (token, group) pair costs N atomic adds, (1-s)*G*M*N in all, and
+    the summation order (so the rounding) depends on scheduling: not deterministic.
+    Twin: gemm_k_ref.
+    """
+    item = tl.load(work + tl.program_id(0))
+    g, tile = item // T, item % T
+    count = tl.load(counts + g)
+    if tile * BM >= count:  # dead tile: return before any load
+        return
+    p = tile * BM + tl.arange(0, BM)
+    ok = p < count
+    rows = tl.load(perm + g * M + p, mask=ok, other=0).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, GS, BK):
+        at = tl.load(a + rows[:, None] * sam + g * GS + k0 + kk[None, :], mask=ok[:, None], other=0.0)
+        wt = tl.load(w + cols[:, None].to(tl.int64) * swn + g * GS + k0 + kk[None, :],
+                     mask=(cols < N)[:, None], other=0.0)
+        acc = tl.dot(at, tl.trans(wt), acc, input_precision="ieee" if IEEE else "tf32")
+    tl.atomic_add(out32 + rows[:, None] * N + cols[None, :], acc,
+                  mask=ok[:, None] & (cols < N)[None, :], sem="relaxed")
+
+
+def gemm_k_ref(a, w, mask, group_size):
+    """(a with the pruned groups' columns set to 0) @ w.T. Pruned inputs are never read."""
+    keep = _flat_mask(mask).repeat_interleave(group_size, dim=1)
+    return torch.where(keep, a, torch.zeros((), dtype=a.dtype, device=a.device)) @ w.t()
+
+
+def gemm_k(a, w, mask_or_layout, group_size, backend="auto", method="tile"):
+    """Masked linear with reduction groups: a[M,K], w[N,K], mask [M, K/group_size] -> [M,N].
+
+    method="tile" (default): deterministic, no atomics (see _gemm_k_kernel).
+    method="atomic": per-group sorted tiles + fp32 atomics (the authors' scheme; not deterministic).
+    """
+    if not _use_triton(backend, a):
+        return gemm_k_ref(a, w, mask_or_layout, group_size)
+    M, K = a.shape
+    N = w.shape[0]
+    G = K // group_size
+    assert G * group_size == K and group_size % 16 == 0, "group_size must divide K and be a multiple of 16"
+    a, w = a.contiguous(), w.contiguous()
+    ieee = a.dtype == torch.float32
+    if method == "atomic" and M > SMALL_M:
+        lay = _as_layout(mask_or_layout, backend)
+        cfg = CONFIGS["gemm_k_atomic"]
+        out32 = torch.zeros((M, N), dtype=torch.float32, device=a.device)  # atomics need zeros
+        T = triton.cdiv(M, lay.block_m)
+        grid = (G * T, triton.cdiv(N, cfg["BN"]))
+        _gemm_k_atomic_kernel[grid](a, w, out32, lay.counts, lay.perm, lay.work, M, N, T,
+                                    a.stride(0), w.stride(0), GS=group_size, BM=lay.block_m,
+                                    BN=cfg["BN"], BK=_pow2_divisor(group_size, cfg["BK"]),
+                                    IEEE=ieee, **_launch(cfg))
+        return out32.to(a.dtype)
+    assert method in ("tile", "atomic"), "method must be 'tile' or 'atomic'"
+    cfg = CONFIGS["gemm_k_small" if M <= SMALL_M else "gemm_k"]
+    out = _empty((M, N), a.dtype, a.device)
+    m = _flat_mask(mask_or_layout).view(torch.uint8)
+    grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+    _gemm_k_kernel[grid](a, w, out, m, M, N, K, G, a.stride(0), w.stride(0), out.stride(0),
+                         GS=group_size, GP=max(2, triton.next_power_of_2(G)), BM=cfg["BM"], BN=cfg["BN"],
+                         BK=_pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, IEEE=ieee,
+                         **_launch(cfg))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: prefill (causal, GQA) over active query-head groups; decode skipping K/V reads
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, start, pos, kv_end, qk_scale,
+                BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    # One online-softmax step over keys [start, start+BN) (exp2 domain). MASKED: causal + bounds.
+    kv = start + tl.arange(0, BN)
+    dd = tl.arange(0, D)
+    if MASKED:
+        kt = tl.load(kb + kv[:, None] * skt + dd[None, :], mask=(kv < kv_end)[:, None], other=0.0)
+        vt = tl.load(vb + kv[:, None] * svt + dd[None, :], mask=(kv < kv_end)[:, None], other=0.0)
+    else:
+        kt = tl.load(kb + kv[:, None] * skt + dd[None, :])
+        vt = tl.load(vb + kv[:, None] * svt + dd[None, :])
+    s = tl.dot(qt, tl.trans(kt), input_precision="ieee" if IEEE else "tf32") * qk_scale
+    if MASKED:
+        s = tl.where((kv[None, :] <= pos[:, None]) & (kv < kv_end)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee" if IEEE else "tf32")
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT,
+                         sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, qk_scale,
+                         HPG: tl.constexpr, HPK: tl.constexpr, PACK: tl.constexpr,
+                         BMT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, BP: tl.constexpr,
+                         CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """Flash attention for the active (token, head-group) pairs only.
+
+    Grid (cdiv(T,BMT)+1, H/PACK, B). A program owns PACK query heads that share one group and
+    one KV head (GQA packing: rows = PACK heads x BMT tokens, K/V read once for all of them)
+    and one tile of the group's active tokens of sequence b, in the layout's ascending order.
+    The causal key range ends at the tile's last token, so compaction keeps the causal saving.
+    Tiles past the active tokens (block skip) load nothing; they write the zeros of the
+    inactive tokens. Twin: attention_prefill_ref.
+    """
+    tile, h0, b = tl.program_id(0), tl.program_id(1) * PACK, tl.program_id(2)
+    g, hk = h0 // HPG, h0 // HPK
+    bb = tl.arange(0, BP)
+    bc = tl.load(bcounts + bb * G + g, mask=bb < B, other=0)
+    cnt = tl.sum(tl.where(bb == b, bc, 0), 0)
+    off = tl.sum(tl.where(bb < b, bc, 0), 0)
+    n_live = tl.cdiv(cnt, BMT)
+    r = tl.arange(0, PACK * BMT)
+    head = h0 + r // BMT
+    dd = tl.arange(0, D)
+    if tile >= n_live:  # no active token left for this tile: zero the inactive ones and return
+        p = (tile - n_live) * BMT + r % BMT
+        ok = p < T - cnt
+        pos = tl.load(perm + g * MT + tl.sum(bc, 0) + b * T - off + p, mask=ok, other=0) - b * T
+        tl.store(o + b * sob + head[:, None] * soh + pos[:, None] * sot + dd[None, :],
+                 tl.zeros([PACK * BMT, D], o.dtype.element_ty), mask=ok[:, None])
+        return
+    p = (n_live - 1 - tile) * BMT + r % BMT  # latest (most causal work) tiles run first
+    ok = p < cnt
+    pos = tl.load(perm + g * MT + off + p, mask=ok, other=0) - b * T
+    hi = tl.max(tl.where(ok, pos, 0), 0)
+    lo = tl.min(tl.where(ok, pos, T), 0)
+    pos = tl.where(ok, pos, hi)  # padded rows mimic the last token: finite, never stored
+    qt = tl.load(q + b * sqb + head[:, None] * sqh + pos[:, None] * sqt + dd[None, :],
+                 mask=ok[:, None], other=0.0)
+    kb, vb = k + b * skb + hk * skh, v + b * svb + hk * svh
+    acc = tl.zeros([PACK * BMT, D], tl.float32)
+    m_i = tl.full([PACK * BMT], float("-inf"), tl.float32)
+    l_i = tl.zeros([PACK * BMT], tl.float32)
+    if CAUSAL:
+        kv_end = hi + 1
+        mid = (lo + 1) // BN * BN  # keys below mid are visible to every row: no mask needed
+        lim = pos
+    else:
+        kv_end = T
+        mid = T // BN * BN
+        lim = pos * 0 + T
+    for s in range(0, mid, BN):
+        acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, s, lim, kv_end, qk_scale,
+                                    BN, D, False, IEEE)
+    for s in range(mid, kv_end, BN):
+        acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, s, lim, kv_end, qk_scale,
+                                    BN, D, True, IEEE)
+    tl.store(o + b * sob + head[:, None] * soh + pos[:, None] * sot + dd[None, :],
+             (acc / l_i[:, None]).to(o.dtype.element_ty), mask=ok[:, None])
+
+
+def _expand_heads(mask, H):
+    # [..., G] group mask -> [..., H] head mask (groups are contiguous runs of query heads)
+    return mask.repeat_interleave(H // mask.shape[-1], dim=-1)
+
+
+def attention_prefill_ref(q, k, v, head_mask, causal=True):
+    """SDPA (GQA by repeating K/V heads), then the inactive (token, head-group) outputs set to 0."""
+    B, H, T, _ = q.shape
+    if isinstance(head_mask, Layout):
+        head_mask = head_mask.mask.view(head_mask.batch, -1, head_mask.mask.shape[-1])
+    rep = H // k.shape[1]
+    o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                       is_causal=causal)
+    keep = _expand_heads(head_mask, H).permute(0, 2, 1)[..., None]  # [B, H, T, 1]
+    return torch.where(keep, o, torch.zeros((), dtype=o.dtype, device=o.device))
+
+
+def attention_prefill(q, k, v, head_mask, causal=True, backend="auto"):
+    """q[B,H,T,d], k/v[B,Hkv,T,d], head_mask [B,T,G] (or its Layout) -> [B,H,T,d]."""
+    if not _use_triton(backend, q):
+        return attention_prefill_ref(q, k, v, head_mask, causal)
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    lay = _as_layout(head_mask, backend)
+    G = lay.mask.shape[1]
+    assert lay.batch == B and H % G == 0 and H % Hkv == 0, "head_mask must be [B, T, G] with G | H"
+    assert D >= 16 and D == triton.next_power_of_2(D), "head dim must be a power of two >= 16"
+    hpg, hpk = H // G, H // Hkv
+    pack = math.gcd(hpg, hpk)  # heads sharing one group and one KV head
+    cfg = CONFIGS["attn_prefill"]
+    bmt = max(16 // pack, cfg["BM"] // pack, 1)
+    o = _empty((B, H, T, D), q.dtype, q.device)
+    grid = (triton.cdiv(T, bmt) + 1, H // pack, B)
+    _attn_prefill_kernel[grid](
+        q, k, v, o, lay.perm, lay.batch_counts, B, T, G, B * T,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        (1.0 / math.sqrt(D)) * 1.4426950408889634, HPG=hpg, HPK=hpk, PACK=pack, BMT=bmt,
+        BN=cfg["BN"], D=D, BP=max(2, triton.next_power_of_2(B)), CAUSAL=causal,
+        IEEE=q.dtype == torch.float32, **_launch(cfg))
+    return o
+
+
+@triton.jit
+def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, G, NS, SPLIT,
+                        sqb, sqh, skb, skh, skt, svb, svh, svt, qk_scale,
+                        HPK: tl.constexpr, HPG: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                        D: tl.constexpr, IEEE: tl.constexpr):
+    """Split-KV decode attention (one query token), partial results per split.
+
+    Grid (NS, Hkv, B). A program owns one KV head (its HPK query heads packed as rows, padded
+    to BH) and SPLIT cache positions of sequence b. If none of its query heads' groups is
+    active, it returns before reading anything: that KV head's K/V are never read (block skip).
+    Writes the normalised partial output and its log2-sum-exp; _attn_merge_kernel combines them.
+    Twin: attention_decode_ref.
+    """
+    s, hk, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r = tl.arange(0, BH)
+    head = hk * HPK + r
+    act = tl.load(head_mask + b * G + head // HPG, mask=r < HPK, other=0) > 0
+    n = tl.load(kv_len + b)
+    start = s * SPLIT
+    if (tl.max(act.to(tl.int32), 0) == 0) | (start >= n):  # inactive KV head: no K/V read
+        return
+    end = tl.minimum(start + SPLIT, n)
+    dd = tl.arange(0, D)
+    qt = tl.load(q + b * sqb + head[:, None] * sqh + dd[None, :], mask=act[:, None], other=0.0)
+    kb, vb = k + b * skb + hk * skh, v + b * svb + hk * svh
+    acc = tl.zeros([BH, D], tl.float32)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    pos = r * 0 + end  # decode: every cached key up to kv_len is visible
+    full = start + (end - start) // BN * BN
+    for t0 in range(start, full, BN):
+        acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
+                                    BN, D, False, IEEE)
+    for t0 in range(full, end, BN):
+        acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
+                                    BN, D, True, IEEE)
+    row = (b * G * HPG + head) * NS + s
+    tl.store(po + row[:, None] * D + dd[None, :], acc / l_i[:, None], mask=act[:, None])
+    tl.store(plse + row, m_i + tl.log2(l_i), mask=act)
+
+
+@triton.jit
+def _attn_merge_kernel(po, plse, head_mask, kv_len, o, G, NS, SPLIT, sob, soh,
+                       HPG: tl.constexpr, NSP: tl.constexpr, D: tl.constexpr):
+    """Merge the split-KV partials of one (sequence, query head); inactive heads get zeros.
+
+    Grid (H, B). Reads only the splits that hold keys (s*SPLIT < kv_len). Twin: attention_decode_ref.
+    """
+    h, b = tl.program_id(0), tl.program_id(1)
+    dd = tl.arange(0, D)
+    optr = o + b * sob + h * soh + dd
+    if tl.load(head_mask + b * G + h // HPG) == 0:
+        tl.store(optr, tl.zeros([D], o.dtype.element_ty))
+        return
+    ss = tl.arange(0, NSP)
+    sok = (ss < NS) & (ss * SPLIT < tl.load(kv_len + b))
+    row = (b * G * HPG + h) * NS + ss
+    lse = tl.load(plse + row, mask=sok, other=float("-inf"))
+    wgt = tl.where(sok, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    part = tl.load(po + row[:, None] * D + dd[None, :], mask=sok[:, None], other=0.0)
+    tl.store(optr, (tl.sum(wgt[:, None] * part, 0) / tl.sum(wgt, 0)).to(o.dtype.element_ty))
+
+
+def attention_decode_ref(q, k_cache, v_cache, head_mask, kv_len):
+    """SDPA of one query over cache positions [0, kv_len[b]), then inactive head groups set to 0."""
+    B, H, _, _ = q.shape
+    rep, L = H // k_cache.shape[1], k_cache.shape[2]
+    visible = torch.arange(L, device=q.device)[None, :] < kv_len.to(q.device)[:, None]  # [B, L]
+    o = F.scaled_dot_product_attention(q, k_cache.repeat_interleave(rep, 1),
+                                       v_cache.repeat_interleave(rep, 1), attn_mask=visible[:, None, None, :])
+    keep = _expand_heads(head_mask, H)[:, :, None, None]
+    return torch.where(keep, o, torch.zeros((), dtype=o.dtype, device=o.device))
+
+
+def attention_decode(q, k_cache, v_cache, head_mask, kv_len, backend="auto"):
+    """q[B,H,1,d], k/v cache [B,Hkv,L,d], head_mask [B,G], kv_len [B] -> [B,H,1,d]."""
+    if not _use_triton(backend, q):
+        return attention_decode_ref(q, k_cache, v_cache, head_mask, kv_len)
+    B, H, _, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    G = head_mask.shape[1]
+    assert H % G == 0 and H % Hkv == 0, "head_mask must be [B, G] with G | H"
+    assert D >= 16 and D == triton.next_power_of_2(D), "head dim must be a power of two >= 16"
+    cfg = CONFIGS["attn_decode"]
+    split = cfg["SPLIT"]
+    ns = triton.cdiv(L, split)
+    hm = head_mask.contiguous().view(torch.uint8)
+    kv_len = kv_len.to(device=q.device, dtype=torch.int32)
+    po = _empty((B, H, ns, D), torch.float32, q.device)
+    plse = _empty((B, H, ns), torch.float32, q.device)
+    hpk = H // Hkv
+    _attn_decode_kernel[(ns, Hkv, B)](
+        q, k_cache, v_cache, hm, kv_len, po, plse, G, ns, split,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        (1.0 / math.sqrt(D)) * 1.4426950408889634, HPK=hpk, HPG=H // G,
+        BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], D=D,
+        IEEE=q.dtype == torch.float32, **_launch(cfg))
+    o = _empty((B, H, 1, D), q.dtype, q.device)
+    _attn_merge_kernel[(H, B)](po, plse, hm, kv_len, o, G, ns, split, o.stride(0), o.stride(1),
+                               HPG=H // G, NSP=max(2, triton.next_power_of_2(ns)), D=D)
+    return o
