@@ -1,0 +1,266 @@
+"""Every Triton kernel against its PyTorch twin (dense compute, then pruned slots zeroed).
+
+On CPU the kernels run in the Triton interpreter (conftest sets TRITON_INTERPRET=1): fp32, tiny
+shapes, results equal to fp32 rounding. Outputs are poisoned with NaN before each call, so a slot
+the kernel forgot to write fails the test. GPU tests (bf16, rel err <= 1e-2) skip without CUDA.
+Speed is measured in bench.py, never here.
+"""
+import random
+
+import pytest
+import torch
+
+import kernels
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    # Every output/scratch buffer the kernels allocate starts as NaN (floats) or -1 (ints).
+    def poisoned(shape, dtype, device):
+        fill = float("nan") if dtype.is_floating_point else -1
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    monkeypatch.setattr(kernels, "_empty", poisoned)
+
+
+def assert_close(out, ref, tol=1e-4):
+    assert out.shape == ref.shape and not torch.isnan(out).any(), "NaN: some output was not written"
+    diff = (out.float() - ref.float()).abs()
+    rel = diff.norm() / ref.float().norm().clamp_min(1e-12)
+    assert rel <= tol, f"rel err {rel:.2e} > {tol}: max diff {diff.max():.3e}, mean {diff.mean():.3e}"
+
+
+def make_mask(shape, p_on, gen=None):
+    if p_on in (0.0, 1.0):
+        return torch.full(shape, bool(p_on), device=DEV)
+    return (torch.rand(shape, generator=gen) < p_on).to(DEV)
+
+
+def randn(*shape, gen=None, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(DEV, dtype)
+
+
+# ---------------------------------------------------------------------------------- layout
+def check_layout(lay, mask, block_m):
+    flat = mask.reshape(-1, mask.shape[-1]).cpu()
+    M, G = flat.shape
+    counts, perm, work = lay.counts.cpu(), lay.perm.cpu(), lay.work.cpu()
+    assert torch.equal(counts, flat.sum(0).int()), "counts must be exact"
+    for g in range(G):
+        n = int(counts[g])
+        act, rest = perm[g, :n], perm[g, n:]
+        assert torch.equal(act, torch.nonzero(flat[:, g]).flatten().int()), "active tokens, ascending"
+        assert torch.equal(rest, torch.nonzero(~flat[:, g]).flatten().int()), "inactive tokens, ascending"
+    n_tiles = -(-M // block_m)
+    tiles = [(-(-int(c) // block_m)) for c in counts]
+    live = [g * n_tiles + t for g in range(G) for t in range(tiles[g])]
+    dead = [g * n_tiles + t for g in range(G) for t in range(tiles[g], n_tiles)]
+    assert work.tolist() == live + dead, "work list: live (group, tile) items first, group-major"
+    if mask.dim() == 3:
+        assert torch.equal(lay.batch_counts.cpu(), mask.sum(1).int().cpu())
+
+
+@pytest.mark.parametrize("p_on", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("shape", [(1, 3), (37, 5), (2, 19, 4)])
+def test_layout_permutation_is_stable_and_counts_exact(shape, p_on):
+    mask = make_mask(shape, p_on, torch.Generator().manual_seed(1))
+    for backend in ("triton", "torch"):
+        lay = kernels.layout(mask, block_m=16, backend=backend)
+        check_layout(lay, mask, 16)
+
+
+# ---------------------------------------------------------------------------------- gemm_mn / gemm_k
+def run_gemm_mn(M, K, G, gs, p_on, fused, gen, as_layout=False):
+    x, w = randn(M, K, gen=gen), randn(G * gs, K, gen=gen)
+    w_up = randn(G * gs, K, gen=gen) if fused else None
+    mask = make_mask((M, G), p_on, gen)
+    arg = kernels.layout(mask, backend="triton") if as_layout else mask
+    out = kernels.gemm_mn(x, w, arg, gs, w_up=w_up, backend="triton")
+    ref = kernels.gemm_mn_ref(x, w, mask, gs, w_up=w_up)
+    assert_close(out, ref)
+    pruned = ~mask.repeat_interleave(gs, 1)
+    assert (out[pruned] == 0).all(), "pruned outputs must be exactly zero"
+
+
+def run_gemm_k(M, N, G, gs, p_on, method, gen, as_layout=False):
+    a, w = randn(M, G * gs, gen=gen), randn(N, G * gs, gen=gen)
+    mask = make_mask((M, G), p_on, gen)
+    a_garbage = a.masked_fill(~mask.repeat_interleave(gs, 1), float("nan"))  # pruned slots unread
+    arg = kernels.layout(mask, backend="triton") if as_layout else mask
+    out = kernels.gemm_k(a_garbage, w, arg, gs, backend="triton", method=method)
+    assert_close(out, kernels.gemm_k_ref(a, w, mask, gs))
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 17, 40])
+@pytest.mark.parametrize("fused", [False, True])
+def test_gemm_mn_matches_twin(M, fused):
+    run_gemm_mn(M, 48, 3, 16, 0.5, fused, torch.Generator().manual_seed(M))
+
+
+@pytest.mark.parametrize("p_on", [0.0, 1.0])
+@pytest.mark.parametrize("M", [3, 33])
+def test_gemm_mn_all_groups_on_and_off(M, p_on):
+    run_gemm_mn(M, 32, 2, 32, p_on, True, torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 33])
+@pytest.mark.parametrize("method", ["tile", "atomic"])
+def test_gemm_k_matches_twin_and_never_reads_pruned_inputs(M, method):
+    run_gemm_k(M, 24, 4, 16, 0.5, method, torch.Generator().manual_seed(M))
+
+
+@pytest.mark.parametrize("p_on", [0.0, 1.0])
+def test_gemm_k_all_groups_on_and_off(p_on):
+    run_gemm_k(21, 32, 3, 16, p_on, "tile", torch.Generator().manual_seed(3))
+
+
+def test_one_layout_serves_gate_up_then_down():
+    # The FFN pair: one layout; the intermediate's pruned slots are left unwritten (NaN-poisoned)
+    # and gemm_k, reading only active slots, still matches the dense-masked reference.
+    gen = torch.Generator().manual_seed(4)
+    M, D, G, gs = 35, 32, 4, 16
+    x, wg, wu, wd = randn(M, D, gen=gen), randn(G * gs, D, gen=gen), randn(G * gs, D, gen=gen), randn(D, G * gs, gen=gen)
+    mask = make_mask((M, G), 0.5, gen)
+    lay = kernels.layout(mask, backend="triton")
+    h = kernels.gemm_mn(x, wg, lay, gs, w_up=wu, backend="triton", zero_pruned=False)
+    assert torch.isnan(h[~mask.repeat_interleave(gs, 1)]).all(), "zero_pruned=False leaves pruned slots"
+    for method in ("tile", "atomic"):
+        out = kernels.gemm_k(h, wd, lay, gs, backend="triton", method=method)
+        ref = kernels.gemm_k_ref(kernels.gemm_mn_ref(x, wg, mask, gs, wu), wd, mask, gs)
+        assert_close(out, ref)
+
+
+# ---------------------------------------------------------------------------------- attention
+def run_prefill(B, H, Hkv, T, D, G, p_on, causal, gen, lengths=None):
+    q, k, v = randn(B, H, T, D, gen=gen), randn(B, Hkv, T, D, gen=gen), randn(B, Hkv, T, D, gen=gen)
+    mask = make_mask((B, T, G), p_on, gen)
+    if lengths is not None:  # right padding: padded tokens run no group
+        mask &= (torch.arange(T, device=DEV)[None, :] < torch.tensor(lengths, device=DEV)[:, None])[..., None]
+    out = kernels.attention_prefill(q, k, v, mask, causal=causal, backend="triton")
+    ref = kernels.attention_prefill_ref(q, k, v, mask, causal=causal)
+    assert_close(out, ref)
+    keep = mask.repeat_interleave(H // G, dim=-1).permute(0, 2, 1)
+    assert (out[~keep] == 0).all(), "inactive (token, head group) outputs must be exactly zero"
+
+
+def run_decode(B, H, Hkv, L, D, G, p_on, lengths, gen):
+    q, kc, vc = randn(B, H, 1, D, gen=gen), randn(B, Hkv, L, D, gen=gen), randn(B, Hkv, L, D, gen=gen)
+    mask = make_mask((B, G), p_on, gen)
+    kv_len = torch.tensor(lengths, device=DEV)
+    # K/V of inactive KV heads are never read: poison them and the output must not change.
+    dead_kv = ~mask.repeat_interleave(H // G, 1).view(B, Hkv, H // Hkv).any(-1)
+    kc_p, vc_p = kc.clone(), vc.clone()
+    kc_p[dead_kv], vc_p[dead_kv] = float("nan"), float("nan")
+    out = kernels.attention_decode(q, kc_p, vc_p, mask, kv_len, backend="triton")
+    assert_close(out, kernels.attention_decode_ref(q, kc, vc, mask, kv_len))
+    assert (out[~mask.repeat_interleave(H // G, 1)] == 0).all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("G", [1, 2, 4])  # 2 = one group per KV head (default); 4 = a group inside a KV head
+def test_attention_prefill_matches_twin(G, causal):
+    run_prefill(2, 4, 2, 37, 16, G, 0.5, causal, torch.Generator().manual_seed(G), lengths=[37, 20])
+
+
+@pytest.mark.parametrize("p_on", [0.0, 1.0])
+def test_attention_prefill_all_groups_on_and_off(p_on):
+    run_prefill(1, 4, 2, 19, 16, 2, p_on, True, torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("p_on", [0.0, 0.5, 1.0])
+def test_attention_decode_skips_inactive_kv_heads(p_on):
+    run_decode(3, 4, 2, 70, 16, 2, p_on, [70, 1, 33], torch.Generator().manual_seed(6))
+
+
+def test_attention_decode_group_smaller_than_kv_head():
+    run_decode(2, 8, 2, 40, 16, 8, 0.5, [40, 17], torch.Generator().manual_seed(7))
+
+
+def test_attention_reuses_a_layout():
+    gen = torch.Generator().manual_seed(8)
+    B, H, Hkv, T, D = 2, 4, 2, 23, 16
+    q, k, v = randn(B, H, T, D, gen=gen), randn(B, Hkv, T, D, gen=gen), randn(B, Hkv, T, D, gen=gen)
+    mask = make_mask((B, T, 2), 0.5, gen)
+    lay = kernels.layout(mask, backend="triton")  # the same layout feeds Q proj, attention, O proj
+    assert_close(kernels.attention_prefill(q, k, v, lay, backend="triton"),
+                 kernels.attention_prefill_ref(q, k, v, mask))
+
+
+# ---------------------------------------------------------------------------------- dispatch, fuzz
+def test_backend_dispatch():
+    gen = torch.Generator().manual_seed(9)
+    x, w, mask = randn(5, 32, gen=gen), randn(32, 32, gen=gen), make_mask((5, 2), 0.5, gen)
+    assert torch.equal(kernels.gemm_mn(x, w, mask, 16, backend="torch"), kernels.gemm_mn_ref(x, w, mask, 16))
+    with pytest.raises(ValueError):
+        kernels.gemm_mn(x, w, mask, 16, backend="cuda")
+
+
+def test_fuzz_random_shapes_and_masks():
+    rng = random.Random(1234)
+    gen = torch.Generator().manual_seed(1234)
+    for case in range(60):
+        p_on = rng.choice([0.0, 0.2, 0.5, 0.8, 1.0])
+        op = case % 5
+        if op == 0:
+            run_gemm_mn(rng.randint(1, 40), rng.choice([16, 40, 64]), rng.randint(1, 3),
+                        rng.choice([16, 32]), p_on, rng.random() < 0.5, gen, as_layout=rng.random() < 0.5)
+        elif op == 1:
+            run_gemm_k(rng.randint(1, 40), rng.choice([8, 24, 40]), rng.randint(1, 3),
+                       rng.choice([16, 32]), p_on, rng.choice(["tile", "atomic"]), gen,
+                       as_layout=rng.random() < 0.5)
+        elif op == 2:
+            mask = make_mask((rng.randint(1, 3), rng.randint(1, 40), rng.randint(1, 6)), p_on, gen)
+            check_layout(kernels.layout(mask, block_m=16, backend="triton"), mask, 16)
+        elif op == 3:
+            Hkv = rng.choice([1, 2])
+            H = Hkv * rng.choice([1, 2, 4])
+            B, T = rng.randint(1, 3), rng.randint(1, 40)
+            run_prefill(B, H, Hkv, T, 16, rng.choice([g for g in (1, 2, 4) if H % g == 0]), p_on,
+                        rng.random() < 0.8, gen, lengths=[rng.randint(1, T) for _ in range(B)])
+        else:
+            Hkv = rng.choice([1, 2])
+            H = Hkv * rng.choice([1, 2, 4])
+            B, L = rng.randint(1, 4), rng.randint(1, 80)
+            run_decode(B, H, Hkv, L, 16, rng.choice([g for g in (1, 2, 4) if H % g == 0]), p_on,
+                       [rng.randint(1, L) for _ in range(B)], gen)
+
+
+# ---------------------------------------------------------------------------------- GPU, bf16
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@GPU
+@pytest.mark.parametrize("M", [1, 4, 300])
+def test_gpu_bf16_gemms(M):
+    torch.manual_seed(M)
+    D, I, gs = 512, 1024, 128
+    x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+    wg, wu = (torch.randn(I, D, device="cuda", dtype=torch.bfloat16) / D ** 0.5 for _ in range(2))
+    wd = torch.randn(D, I, device="cuda", dtype=torch.bfloat16) / I ** 0.5
+    mask = torch.rand(M, I // gs, device="cuda") < 0.5
+    lay = kernels.layout(mask, backend="triton")
+    h = kernels.gemm_mn(x, wg, lay, gs, w_up=wu, backend="triton")
+    h_ref = kernels.gemm_mn_ref(x.float(), wg.float(), mask, gs, wu.float())
+    assert rel_err(h, h_ref) <= 1e-2 and (h[~mask.repeat_interleave(gs, 1)] == 0).all()
+    for method in ("tile", "atomic"):
+        y = kernels.gemm_k(h, wd, lay, gs, backend="triton", method=method)
+        assert rel_err(y, kernels.gemm_k_ref(h.float(), wd.float(), mask, gs)) <= 1e-2
+
+
+@GPU
+def test_gpu_bf16_attention():
+    torch.manual_seed(0)
+    B, H, Hkv, T, D = 2, 8, 2, 300, 128
+    q = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.rand(B, T, 2, device="cuda") < 0.5
+    out = kernels.attention_prefill(q, k, v, mask, backend="triton")
+    assert rel_err(out, kernels.attention_prefill_ref(q.float(), k.float(), v.float(), mask)) <= 1e-2
+    dmask = torch.rand(B, 2, device="cuda") < 0.5
+    kv_len = torch.tensor([300, 77], device="cuda")
+    out = kernels.attention_decode(q[:, :, :1], k, v, dmask, kv_len, backend="triton")
+    ref = kernels.attention_decode_ref(q[:, :, :1].float(), k.float(), v.float(), dmask, kv_len)
+    assert rel_err(out, ref) <= 1e-2 or not dmask.any()
