@@ -9,6 +9,7 @@ can be multiplied by a per-token channel mask just before `down_proj`. With no m
 ordinary Llama, and it loads Hugging Face Llama checkpoints (config.json + safetensors) as they are:
 our parameter names are theirs, minus the leading "model.".
 """
+import copy
 import json
 import math
 import os
@@ -49,7 +50,7 @@ class ModelConfig:
     def from_name(cls, name):
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
-        return cls(**PRESETS[name])
+        return cls(**copy.deepcopy(PRESETS[name]))
 
     @classmethod
     def from_hf(cls, hf):
@@ -272,6 +273,8 @@ class Transformer(nn.Module):
         into the cache, and they attend to everything cached before them (prefill and decode).
         """
         B, T = idx.shape
+        if input_pos is None and self.causal_mask is not None:
+            raise ValueError("the KV cache is set up: pass input_pos (or call clear_caches() first)")
         if input_pos is None and T > self.config.max_seq_len:
             raise ValueError(f"{T} tokens do not fit the context of {self.config.max_seq_len}")
         pos = torch.arange(T, device=idx.device) if input_pos is None else input_pos
@@ -305,6 +308,9 @@ class Transformer(nn.Module):
     def config_from_dir(path):
         config_path = os.path.join(path, "config.json")
         if not os.path.isdir(path):
+            if os.path.isdir(path.rstrip("/") + ".old"):  # a save was interrupted between its two renames
+                raise CheckpointError(f"checkpoint directory {path!r} does not exist, but {path}.old does: a save "
+                                      f"was interrupted; rename {path}.old to {path} to use the previous one")
             raise CheckpointError(f"checkpoint directory {path!r} does not exist (train one with: python train.py)")
         if not os.path.isfile(config_path):
             raise CheckpointError(f"{config_path} is missing: {path!r} is not a complete checkpoint directory")
