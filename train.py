@@ -165,6 +165,7 @@ def train_loop(model, params, data, val, args, *, steps, lr, min_lr, warmup, wei
     vx, vy = val
     tokens_per_step = args.batch_size * args.block_size
     t0 = t_last = time.time()
+    steps_last = 0
     history = []
     model.train()
     for step in range(steps):
@@ -188,11 +189,11 @@ def train_loop(model, params, data, val, args, *, steps, lr, min_lr, warmup, wei
 
         last = step == steps - 1
         if step % args.eval_interval == 0 or last:
-            val_loss, val_rates = evaluate(model, vx, vy, args.batch_size, device)
-            now = time.time()
+            now = time.time()  # throughput counts training steps only, not the evaluation below
             done = step + 1
-            rate = tokens_per_step * (done if step == 0 else args.eval_interval) / max(now - t_last, 1e-9)
+            rate = tokens_per_step * (done - steps_last) / max(now - t_last, 1e-9)
             eta = (now - t0) / done * (steps - done)
+            val_loss, val_rates = evaluate(model, vx, vy, args.batch_size, device)
             line = (f"{name} step {done:5d}/{steps} | train {loss.item():.3f} | val {val_loss:.3f} "
                     f"| {rate / 1e3:6.1f}k tok/s | ETA {fmt_time(eta)}")
             if val_rates:  # realized sparsity: Gumbel samples in training, deterministic on held-out text
@@ -202,7 +203,7 @@ def train_loop(model, params, data, val, args, *, steps, lr, min_lr, warmup, wei
             print(line, flush=True)
             history.append(dict(step=done, train_loss=loss.item(), val_loss=val_loss,
                                 train_skip={k: float(v) for k, v in stats.items()}, val_skip=val_rates))
-            t_last = now
+            t_last, steps_last = time.time(), done
     return dict(steps=steps, seconds=round(time.time() - t0, 1), history=history)
 
 

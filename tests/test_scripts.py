@@ -1,0 +1,189 @@
+"""The scripts as a user meets them: data, tokenizer, generation, and one-line errors for bad input."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+import wide
+from generate import generate
+from model import ModelConfig, Transformer, load_tokenizer, save_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n" * 3
+
+
+def run_script(*args):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the scripts must behave the same on a GPU machine
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+
+
+def assert_one_line_error(result, *words):
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [l for l in result.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, result.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny trained-nothing checkpoint with a real BPE tokenizer, as train.py would write it."""
+    path = str(tmp_path_factory.mktemp("ckpt") / "base")
+    tok = train.train_tokenizer([TEXT], 300)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      intermediate_size=64, max_seq_len=48)
+    save_checkpoint(path, Transformer(cfg), tok)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# data and tokenizer
+
+
+def test_held_out_plays_are_whole_and_never_trained_on():
+    plays = train.read_plays()
+    tr, va = train.split_plays()
+    assert len(va) == len(train.HELD_OUT) and len(tr) + len(va) == len(plays)
+    for name in train.HELD_OUT:
+        assert plays[name] in va and plays[name] not in tr
+
+
+def test_plays_are_cleaned_to_speaker_lines():
+    text = train.clean_play("# Title\n\n## ACT I\n\n**ROMEO**  \nSoft,  \nwhat _light_.\n")
+    assert text == "Title\n\nACT I\n\nROMEO:\nSoft,\nwhat light.\n"
+
+
+def test_tokenizer_round_trips_any_text_and_trains_deterministically():
+    tok = train.train_tokenizer([TEXT], 300)
+    for s in [TEXT, "Ünïcödé — and emoji 🎭, tabs\tand\nnewlines", ""]:
+        assert tok.decode(tok.encode(s).ids) == s
+    assert tok.to_str() == train.train_tokenizer([TEXT], 300).to_str()
+
+
+def test_validation_windows_cover_the_held_out_stream_without_overlap():
+    data = torch.arange(1000)
+    x, y = train.val_windows(data, 64)
+    assert x.shape == (15, 64) and torch.equal(x[1, 0], torch.tensor(64)) and torch.equal(y, x + 1)
+
+
+def test_learning_rate_warms_up_then_decays_to_min():
+    lrs = [train.lr_at(s, 100, 1.0, 10, 0.1) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# generation
+
+
+def golden_model():
+    torch.manual_seed(1234)
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
+                      max_seq_len=64)
+    model = Transformer(cfg)
+    with torch.no_grad():  # large weights: clear argmax margins, so float noise cannot flip a token
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model.eval()
+
+
+def test_greedy_generation_matches_golden_tokens(tmp_path):
+    save_checkpoint(str(tmp_path / "g"), golden_model())
+    model = Transformer.from_pretrained(str(tmp_path / "g")).eval()
+    out = generate(model, torch.tensor([[1, 2, 3]]), 20, temperature=0.0)
+    assert out.tolist() == [[1, 2, 3, 23, 20, 23, 23, 56, 56, 56, 23, 23, 28, 34, 51, 23, 58, 39, 60, 12, 60, 23, 56]]
+
+
+def test_batched_generation_equals_one_sequence_at_a_time():
+    model = golden_model()
+    prompts = torch.tensor([[1, 2, 3], [7, 8, 9], [4, 4, 4]])
+    together = generate(model, prompts, 12)
+    for b in range(3):
+        assert torch.equal(together[b:b + 1], generate(model, prompts[b:b + 1], 12))
+
+
+def test_sampling_with_a_seed_is_reproducible():
+    model = golden_model()
+    runs = [generate(model, torch.tensor([[1, 2]]), 10, temperature=1.0, top_k=5,
+                     generator=torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_generate_cli_prints_text_and_speed(checkpoint):
+    r = run_script("generate.py", "--checkpoint", checkpoint, "--prompt", "ROMEO:", "--max-new-tokens", "5")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("checkpoint:") and "ROMEO:" in r.stdout and "tokens/s" in r.stdout
+
+
+def test_empty_prompt_starts_a_new_passage(checkpoint):
+    r = run_script("generate.py", "--checkpoint", checkpoint, "--prompt", "", "--max-new-tokens", "3")
+    assert r.returncode == 0, r.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# bad input: one clear line on stderr, a non-zero exit, no traceback
+
+
+def test_missing_checkpoint_is_one_line_error(tmp_path):
+    assert_one_line_error(run_script("generate.py", "--checkpoint", str(tmp_path / "nope")), "does not exist")
+
+
+def test_corrupt_safetensors_is_one_line_error(checkpoint, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        (bad / f).write_bytes(open(os.path.join(checkpoint, f), "rb").read())
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    assert_one_line_error(run_script("generate.py", "--checkpoint", str(bad)), "model.safetensors")
+
+
+def test_prompt_longer_than_context_is_one_line_error(checkpoint):
+    r = run_script("generate.py", "--checkpoint", checkpoint, "--prompt", "window " * 100)
+    assert_one_line_error(r, "longer than the model's context")
+
+
+def test_prompt_plus_new_tokens_beyond_context_is_one_line_error(checkpoint):
+    r = run_script("generate.py", "--checkpoint", checkpoint, "--max-new-tokens", "100")
+    assert_one_line_error(r, "--max-new-tokens")
+
+
+def test_cuda_without_a_gpu_is_one_line_error(checkpoint):
+    assert_one_line_error(run_script("generate.py", "--checkpoint", checkpoint, "--device", "cuda"), "no CUDA")
+    assert_one_line_error(run_script("train.py", "--device", "cuda"), "no CUDA")
+
+
+def test_unknown_preset_is_one_line_error():
+    assert_one_line_error(run_script("train.py", "--preset", "huge"), "unknown preset", "tiny")
+
+
+def test_sparsity_outside_unit_interval_is_one_line_error(checkpoint):
+    assert_one_line_error(run_script("train.py", "--sparsity", "1.0"), "outside [0, 1)")
+    assert_one_line_error(run_script("generate.py", "--sparsity", "-0.1"), "outside [0, 1)")
+
+
+def test_group_size_that_does_not_divide_is_one_line_error():
+    assert_one_line_error(run_script("train.py", "--ffn-group-size", "7"), "does not divide")
+    assert_one_line_error(run_script("train.py", "--attn-group-size", "3"), "does not divide")
+
+
+def test_sparsity_without_a_trained_router_names_the_command(tmp_path):
+    r = run_script("generate.py", "--out-dir", str(tmp_path), "--sparsity", "0.3")
+    assert_one_line_error(r, "python train.py", "0.3")
+
+
+def test_show_width_on_a_router_checkpoint_colours_tokens(checkpoint, tmp_path):
+    model = Transformer.from_pretrained(checkpoint)
+    wcfg = wide.WideConfig(ffn_group_size=16)
+    wide.install_routers(model, wcfg)
+    path = str(tmp_path / "wide-s0.5-stage1")
+    wide.save_wide(path, model, load_tokenizer(checkpoint), wcfg)
+    r = run_script("generate.py", "--out-dir", str(tmp_path), "--sparsity", "0.5", "--show-width",
+                   "--max-new-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    assert "\033[" in r.stdout and "realized sparsity" in r.stdout and "executed linear FLOPs" in r.stdout
