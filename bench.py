@@ -316,39 +316,34 @@ def markdown(meta, rows):
 # ----------------------------------------------------------------------------------- tuning
 TUNE = {
     "gemm_mn_fused": (lambda: case_gate_up(PREFILL_M), [
-        dict(block_m=128, BN=128, BK=64, num_warps=8, num_stages=3),
         dict(block_m=128, BN=128, BK=64, num_warps=8, num_stages=4),
-        dict(block_m=128, BN=64, BK=64, num_warps=4, num_stages=4),
-        dict(block_m=64, BN=128, BK=64, num_warps=4, num_stages=4),
-        dict(block_m=128, BN=128, BK=32, num_warps=8, num_stages=5)]),
-    "gemv_mn": (lambda: case_gate_up(1), [
-        dict(BN=16, BK=256, num_warps=4, num_stages=3, programs_per_sm=4),
-        dict(BN=16, BK=512, num_warps=4, num_stages=3, programs_per_sm=4),
-        dict(BN=16, BK=128, num_warps=4, num_stages=4, programs_per_sm=8),
-        dict(BN=32, BK=256, num_warps=4, num_stages=3, programs_per_sm=2),
-        dict(BN=16, BK=256, num_warps=4, num_stages=4, programs_per_sm=2)]),
+        dict(block_m=128, BN=128, BK=128, num_warps=8, num_stages=2),
+        dict(block_m=256, BN=64, BK=64, num_warps=8, num_stages=4)]),
+    "gemv_mn_1": (lambda: case_gate_up(1), [
+        dict(BN=2, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=True),
+        dict(BN=2, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=False),
+        dict(BN=4, BK=1024, num_warps=8, num_stages=1, programs_per_sm=2, prefetch=True),
+        dict(BN=4, BK=512, num_warps=4, num_stages=1, programs_per_sm=3, prefetch=True),
+        dict(BN=8, BK=256, num_warps=4, num_stages=1, programs_per_sm=3, prefetch=True),
+        dict(BN=1, BK=2048, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=True)]),
     "gemm_k": (lambda: case_k(PREFILL_M, FFN, FFN_GS, "down"), [
-        dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
-        dict(BM=128, BN=128, BK=64, num_warps=4, num_stages=4)]),
-    "gemm_k_atomic": (lambda: case_k(PREFILL_M, FFN, FFN_GS, "down atomic", "atomic"), [
-        dict(BN=128, BK=64, num_warps=8, num_stages=3),
-        dict(BN=256, BK=64, num_warps=8, num_stages=3)]),
+        dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
+        dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4)]),
     "gemm_k_small": (lambda: case_k(1, FFN, FFN_GS, "down"), [
         dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=4),
-        dict(BM=16, BN=16, BK=128, num_warps=4, num_stages=4),
-        dict(BM=16, BN=64, BK=64, num_warps=4, num_stages=5)]),
+        dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3),
+        dict(BM=16, BN=16, BK=128, num_warps=4, num_stages=6)]),
     "attn_prefill": (lambda: case_prefill(1, PREFILL_T), [
         dict(BM=128, BN=64, num_warps=8, num_stages=3),
-        dict(BM=128, BN=128, num_warps=8, num_stages=3),
-        dict(BM=64, BN=64, num_warps=4, num_stages=3),
-        dict(BM=128, BN=64, num_warps=4, num_stages=3)]),
+        dict(BM=128, BN=128, num_warps=8, num_stages=2),
+        dict(BM=128, BN=64, num_warps=8, num_stages=4)]),
     "attn_decode": (lambda: case_decode(DECODE_B, DECODE_L), [
-        dict(BN=64, SPLIT=512, num_warps=4, num_stages=3),
-        dict(BN=64, SPLIT=256, num_warps=4, num_stages=3),
         dict(BN=64, SPLIT=1024, num_warps=4, num_stages=4),
-        dict(BN=128, SPLIT=512, num_warps=4, num_stages=3),
-        dict(BN=128, SPLIT=1024, num_warps=8, num_stages=3)]),
+        dict(BN=64, SPLIT=1024, num_warps=4, num_stages=3),
+        dict(BN=64, SPLIT=2048, num_warps=4, num_stages=3),
+        dict(BN=128, SPLIT=2048, num_warps=8, num_stages=2),
+        dict(BN=32, SPLIT=512, num_warps=4, num_stages=4)]),
 }
 
 
@@ -358,7 +353,7 @@ def run_tune(args):
         if args.only and args.only not in key:
             continue
         make = factory()
-        base = dict(kernels.CONFIGS[key])
+        base, base_bm = dict(kernels.CONFIGS[key]), kernels.CONFIGS["block_m"]
         c = make(0.5)
         dense_ms = c["dense_ms"]() if c["dense"] is None else do_bench(c["dense"][0])
         print(f"{key}: dense {dense_ms:.4f} ms", flush=True)
@@ -379,7 +374,7 @@ def run_tune(args):
             except Exception as e:  # e.g. out of shared memory
                 print(f"  {v}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             kernels.CONFIGS[key] = base
-            kernels.CONFIGS["block_m"] = 128
+            kernels.CONFIGS["block_m"] = base_bm
     with open(args.out + "_tune.json", "w") as f:
         json.dump(results, f, indent=1)
 

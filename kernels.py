@@ -34,7 +34,8 @@ CONFIGS = {
     "block_m": 128,  # layout tile (gemm_mn token tile, gemm_k atomic token tile)
     "gemm_mn": dict(BN=128, BK=64, num_warps=8, num_stages=4),
     "gemm_mn_fused": dict(BN=128, BK=64, num_warps=8, num_stages=3),
-    "gemv_mn": dict(BN=16, BK=256, num_warps=4, num_stages=3, programs_per_sm=4),
+    "gemv_mn_1": dict(BN=8, BK=256, num_warps=4, num_stages=1, programs_per_sm=5, prefetch=True),
+    "gemv_mn": dict(BN=32, BK=256, num_warps=4, num_stages=3, programs_per_sm=2),
     "gemm_k": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
     "gemm_k_small": dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=4),
     "gemm_k_atomic": dict(BN=128, BK=64, num_warps=8, num_stages=3),
@@ -45,7 +46,7 @@ if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per ele
     CONFIGS.update({
         "block_m": 16,
         "gemm_mn": dict(BN=32, BK=32), "gemm_mn_fused": dict(BN=32, BK=32),
-        "gemv_mn": dict(BN=16, BK=32, programs_per_sm=1),
+        "gemv_mn": dict(BN=16, BK=32, programs_per_sm=1), "gemv_mn_1": dict(BN=8, BK=32, programs_per_sm=1, prefetch=True),
         "gemm_k": dict(BM=16, BN=32, BK=16), "gemm_k_small": dict(BM=16, BN=32, BK=16),
         "gemm_k_atomic": dict(BN=32, BK=16),
         "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, SPLIT=32),
@@ -255,9 +256,58 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, T, sxm, swn, s
 
 
 @triton.jit
+def _gemv_load(x, w, w_up, n, rok, t, M, k0, K, sxm, swn, BK: tl.constexpr, FUSED: tl.constexpr):
+    # x[t, k0:k0+BK] and rows n of w, w_up at the same columns (zeros outside the matrix).
+    kk = tl.arange(0, BK)
+    kok = (k0 + kk < K)[None, :]
+    a = tl.load(x + t[:, None] * sxm + k0 + kk[None, :], mask=(t < M)[:, None] & kok, other=0.0)
+    b = tl.load(w + n[:, None] * swn + k0 + kk[None, :], mask=rok[:, None] & kok, other=0.0)
+    bu = b
+    if FUSED:
+        bu = tl.load(w_up + n[:, None] * swn + k0 + kk[None, :], mask=rok[:, None] & kok, other=0.0)
+    return a, b, bu
+
+
+@triton.jit
+def _gemv_acc(x, w, w_up, n, rok, M, K, sxm, swn, BT: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr):
+    # [BT, BN] fp32 products of the BT tokens with weight rows n (and w_up's rows n).
+    t = tl.arange(0, BT)
+    if BT == 1:
+        # One token: FMAs in registers, no shared memory, so many programs fit on an SM; the
+        # next K slice is loaded before this one is used (PREFETCH) to keep more bytes in flight.
+        acc = tl.zeros([BN, BK], tl.float32)
+        acc_up = tl.zeros([BN, BK], tl.float32)
+        a, b, bu = _gemv_load(x, w, w_up, n, rok, t, M, 0, K, sxm, swn, BK, FUSED)
+        for k0 in range(0, K, BK):
+            if PREFETCH:
+                a_nx, b_nx, bu_nx = _gemv_load(x, w, w_up, n, rok, t, M, k0 + BK, K, sxm, swn, BK, FUSED)
+            else:
+                a_nx, b_nx, bu_nx = a, b, bu
+            acc += b.to(tl.float32) * a.to(tl.float32)
+            if FUSED:
+                acc_up += bu.to(tl.float32) * a.to(tl.float32)
+            if PREFETCH:
+                a, b, bu = a_nx, b_nx, bu_nx
+            else:
+                a, b, bu = _gemv_load(x, w, w_up, n, rok, t, M, k0 + BK, K, sxm, swn, BK, FUSED)
+        acc, acc_up = tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :]
+    else:
+        # A few tokens: tl.dot on a 16-row tile (rows past M are predicated off).
+        acc = tl.zeros([BT, BN], tl.float32)
+        acc_up = tl.zeros([BT, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            a, b, bu = _gemv_load(x, w, w_up, n, rok, t, M, k0, K, sxm, swn, BK, FUSED)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee" if IEEE else "tf32")
+            if FUSED:
+                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision="ieee" if IEEE else "tf32")
+    return acc, acc_up
+
+
+@triton.jit
 def _gemv_mn_kernel(x, w, w_up, out, mask, M, N, K, G, sxm, swn, som,
                     GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, FUSED: tl.constexpr, EVEN_K: tl.constexpr,
+                    BK: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr,
                     IEEE: tl.constexpr):
     """Decode gemm_mn (M <= BT tokens): the weight rows of groups no token runs are never read.
 
@@ -283,18 +333,7 @@ def _gemv_mn_kernel(x, w, w_up, out, mask, M, N, K, G, sxm, swn, som,
         g = tl.sum(tl.where((live[None, :] > 0) & (live_rank[None, :] == j[:, None] + 1),
                             gg[None, :], 0), 1)
         n = (g * GS + rr % GS).to(tl.int64)
-        acc = tl.zeros([BT, BN], tl.float32)
-        acc_up = tl.zeros([BT, BN], tl.float32)
-        for k0 in range(0, K, BK):
-            amask, bmask = (t < M)[:, None], rok[:, None]
-            if not EVEN_K:
-                amask, bmask = amask & (k0 + kk < K)[None, :], bmask & (k0 + kk < K)[None, :]
-            a = tl.load(x + t[:, None] * sxm + k0 + kk[None, :], mask=amask, other=0.0)
-            b = tl.load(w + n[:, None] * swn + k0 + kk[None, :], mask=bmask, other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee" if IEEE else "tf32")
-            if FUSED:
-                bu = tl.load(w_up + n[:, None] * swn + k0 + kk[None, :], mask=bmask, other=0.0)
-                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision="ieee" if IEEE else "tf32")
+        acc, acc_up = _gemv_acc(x, w, w_up, n, rok, M, K, sxm, swn, BT, BN, BK, FUSED, PREFETCH, IEEE)
         if FUSED:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         smask = (t < M)[:, None] & rok[None, :]
@@ -341,12 +380,12 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, backend="auto", zero_pr
     out = _empty((M, N), x.dtype, x.device)
     ieee = x.dtype == torch.float32
     if M <= SMALL_M:  # decode: GEMV straight from the mask
-        cfg = CONFIGS["gemv_mn"]
+        cfg = CONFIGS["gemv_mn_1" if M == 1 else "gemv_mn"]
         m = _flat_mask(mask_or_layout).view(torch.uint8)
         P = cfg["programs_per_sm"] * _num_sms(x.device)
         _gemv_mn_kernel[(P,)](x, w, w_up, out, m, M, N, K, G, x.stride(0), w.stride(0), out.stride(0),
-                              GS=group_size, GP=max(2, triton.next_power_of_2(G)), BT=SMALL_M, BN=cfg["BN"],
-                              BK=cfg["BK"], FUSED=fused, EVEN_K=K % cfg["BK"] == 0, IEEE=ieee,
+                              GS=group_size, GP=max(2, triton.next_power_of_2(G)), BT=1 if M == 1 else SMALL_M, BN=cfg["BN"],
+                              BK=cfg["BK"], FUSED=fused, PREFETCH=cfg.get("prefetch", False), IEEE=ieee,
                               **_launch(cfg))
         return out
     lay = _as_layout(mask_or_layout, backend)
@@ -365,7 +404,20 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, backend="auto", zero_pr
 # gemm_k: reduction groups pruned (O projection, down projection)
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _gemm_k_kernel(a, w, out, mask, M, N, K, G, sam, swn, som,
+def _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
+                 GS: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    # One BK slice of group g: a-rows of tokens that do not run g are predicated off
+    # (intra-block skip; those slots are never read, so garbage there is harmless).
+    k0 = g * GS + step * BK
+    kk = tl.arange(0, BK)
+    on = tl.load(mask + rows * G + g, mask=rok, other=0) > 0
+    at = tl.load(a + rows[:, None].to(tl.int64) * sam + k0 + kk[None, :], mask=on[:, None], other=0.0)
+    wt = tl.load(w + cols[:, None].to(tl.int64) * swn + k0 + kk[None, :], mask=cok[:, None], other=0.0)
+    return tl.dot(at, tl.trans(wt), acc, input_precision="ieee" if IEEE else "tf32")
+
+
+@triton.jit
+def _gemm_k_kernel(a, w, out, mask, live_list, M, N, K, G, sam, swn, som,
                    GS: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
     """out[t, n] = sum over the groups g that token t runs of a[t, g-slice] . w[n, g-slice].
@@ -389,20 +441,23 @@ def _gemm_k_kernel(a, w, out, mask, M, N, K, G, sam, swn, som,
     gg = tl.arange(0, GP)
     bits = tl.load(mask + rows[:, None] * G + gg[None, :], mask=rok[:, None] & (gg < G)[None, :],
                    other=0).to(tl.int32)
-    live = (tl.max(bits, 0) > 0).to(tl.int32)
-    rank = tl.cumsum(live, 0)
+    live = (tl.max(bits, 0) > 0).to(tl.int32)  # groups that some token of this tile runs
+    n_live = tl.sum(live, 0)
     STEPS: tl.constexpr = GS // BK
-    kk = tl.arange(0, BK)
-    ap = a + rows[:, None].to(tl.int64) * sam + kk[None, :]
-    wp = w + cols[:, None].to(tl.int64) * swn + kk[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
-    for it in range(0, tl.sum(live, 0) * STEPS):
-        g = tl.sum(tl.where((live > 0) & (rank == it // STEPS + 1), gg, 0), 0)  # next live group
-        k0 = g * GS + (it % STEPS) * BK
-        on = tl.load(mask + rows * G + g, mask=rok, other=0) > 0
-        at = tl.load(ap + k0, mask=on[:, None], other=0.0)
-        wt = tl.load(wp + k0, mask=cok[:, None], other=0.0)
-        acc = tl.dot(at, tl.trans(wt), acc, input_precision="ieee" if IEEE else "tf32")
+    if n_live == G:  # every group is live (the usual case at random masks): plain K loop
+        for it in range(0, G * STEPS):
+            acc = _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G,
+                               sam, swn, GS, BK, IEEE)
+    else:
+        # Compact the live groups once into this program's scratch row; dead groups are never
+        # visited (block skip), so their weight columns are never read.
+        lst = live_list + pid * GP
+        tl.store(lst + tl.cumsum(live, 0) - 1, gg, mask=live > 0)
+        tl.debug_barrier()
+        for it in range(0, n_live * STEPS):
+            acc = _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
+                               it % STEPS, G, sam, swn, GS, BK, IEEE)
     tl.store(out + rows[:, None] * som + cols[None, :], acc.to(out.dtype.element_ty),
              mask=rok[:, None] & cok[None, :])
 
@@ -475,8 +530,10 @@ def gemm_k(a, w, mask_or_layout, group_size, backend="auto", method="tile"):
     out = _empty((M, N), a.dtype, a.device)
     m = _flat_mask(mask_or_layout).view(torch.uint8)
     grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
-    _gemm_k_kernel[grid](a, w, out, m, M, N, K, G, a.stride(0), w.stride(0), out.stride(0),
-                         GS=group_size, GP=max(2, triton.next_power_of_2(G)), BM=cfg["BM"], BN=cfg["BN"],
+    GP = max(2, triton.next_power_of_2(G))
+    live_list = _empty((grid[0], GP), torch.int32, a.device)
+    _gemm_k_kernel[grid](a, w, out, m, live_list, M, N, K, G, a.stride(0), w.stride(0), out.stride(0),
+                         GS=group_size, GP=GP, BM=cfg["BM"], BN=cfg["BN"],
                          BK=_pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, IEEE=ieee,
                          **_launch(cfg))
     return out
