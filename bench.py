@@ -320,12 +320,12 @@ TUNE = {
         dict(block_m=128, BN=128, BK=128, num_warps=8, num_stages=2),
         dict(block_m=256, BN=64, BK=64, num_warps=8, num_stages=4)]),
     "gemv_mn_1": (lambda: case_gate_up(1), [
-        dict(BN=2, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=True),
-        dict(BN=2, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=False),
-        dict(BN=4, BK=1024, num_warps=8, num_stages=1, programs_per_sm=2, prefetch=True),
-        dict(BN=4, BK=512, num_warps=4, num_stages=1, programs_per_sm=3, prefetch=True),
-        dict(BN=8, BK=256, num_warps=4, num_stages=1, programs_per_sm=3, prefetch=True),
-        dict(BN=1, BK=2048, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=True)]),
+        dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=True),
+        dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=5, prefetch=False),
+        dict(BN=4, BK=512, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=True),
+        dict(BN=2, BK=1024, num_warps=4, num_stages=1, programs_per_sm=6, prefetch=True),
+        dict(BN=4, BK=2048, num_warps=8, num_stages=1, programs_per_sm=2, prefetch=True),
+        dict(BN=8, BK=1024, num_warps=8, num_stages=1, programs_per_sm=1, prefetch=True)]),
     "gemm_k": (lambda: case_k(PREFILL_M, FFN, FFN_GS, "down"), [
         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
         dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
@@ -339,16 +339,18 @@ TUNE = {
         dict(BM=128, BN=128, num_warps=8, num_stages=2),
         dict(BM=128, BN=64, num_warps=8, num_stages=4)]),
     "attn_decode": (lambda: case_decode(DECODE_B, DECODE_L), [
-        dict(BN=64, SPLIT=1024, num_warps=4, num_stages=4),
-        dict(BN=64, SPLIT=1024, num_warps=4, num_stages=3),
-        dict(BN=64, SPLIT=2048, num_warps=4, num_stages=3),
         dict(BN=128, SPLIT=2048, num_warps=8, num_stages=2),
-        dict(BN=32, SPLIT=512, num_warps=4, num_stages=4)]),
+        dict(BN=128, SPLIT=1024, num_warps=8, num_stages=2),
+        dict(BN=64, SPLIT=2048, num_warps=4, num_stages=4),
+        dict(BN=128, SPLIT=4096, num_warps=8, num_stages=2)]),
 }
 
 
 def run_tune(args):
     results = {}
+    for shape in [(PREFILL_M, FFN // FFN_GS), (1, PREFILL_T, H // ATTN_HEADS_PER_GROUP)]:
+        mask = rand_mask(shape, 0.5)
+        print(f"layout {shape}: {do_bench(lambda: kernels.layout(mask)) * 1e3:.1f} us", flush=True)
     for key, (factory, variants) in TUNE.items():
         if args.only and args.only not in key:
             continue

@@ -274,24 +274,23 @@ def _gemv_acc(x, w, w_up, n, rok, M, K, sxm, swn, BT: tl.constexpr, BN: tl.const
     # [BT, BN] fp32 products of the BT tokens with weight rows n (and w_up's rows n).
     t = tl.arange(0, BT)
     if BT == 1:
-        # One token: FMAs in registers, no shared memory, so many programs fit on an SM; the
-        # next K slice is loaded before this one is used (PREFETCH) to keep more bytes in flight.
-        acc = tl.zeros([BN, BK], tl.float32)
-        acc_up = tl.zeros([BN, BK], tl.float32)
+        # One token: FMAs in registers, reduced every K step (small accumulators, no shared
+        # memory, so many programs and loads in flight per SM). PREFETCH issues the next K
+        # slice's loads before this slice is reduced.
+        acc = tl.zeros([BN], tl.float32)
+        acc_up = tl.zeros([BN], tl.float32)
         a, b, bu = _gemv_load(x, w, w_up, n, rok, t, M, 0, K, sxm, swn, BK, FUSED)
         for k0 in range(0, K, BK):
             if PREFETCH:
                 a_nx, b_nx, bu_nx = _gemv_load(x, w, w_up, n, rok, t, M, k0 + BK, K, sxm, swn, BK, FUSED)
-            else:
-                a_nx, b_nx, bu_nx = a, b, bu
-            acc += b.to(tl.float32) * a.to(tl.float32)
+            acc += tl.sum(b.to(tl.float32) * a.to(tl.float32), 1)
             if FUSED:
-                acc_up += bu.to(tl.float32) * a.to(tl.float32)
+                acc_up += tl.sum(bu.to(tl.float32) * a.to(tl.float32), 1)
             if PREFETCH:
                 a, b, bu = a_nx, b_nx, bu_nx
             else:
                 a, b, bu = _gemv_load(x, w, w_up, n, rok, t, M, k0 + BK, K, sxm, swn, BK, FUSED)
-        acc, acc_up = tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :]
+        acc, acc_up = acc[None, :], acc_up[None, :]
     else:
         # A few tokens: tl.dot on a 16-row tile (rows past M are predicated off).
         acc = tl.zeros([BT, BN], tl.float32)
