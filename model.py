@@ -288,7 +288,7 @@ class Transformer(nn.Module):
         logits = F.linear(self.norm(x), self.head_weight())
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
         return logits, loss
 
     # ------------------------------------------------------------------------------------------------

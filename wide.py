@@ -44,6 +44,9 @@ class WideConfig:
 
 def check_groups(model_cfg, wcfg):
     """Fill in the default attention group size and check that both group sizes divide."""
+    if wcfg.attn_group_size < 0 or wcfg.ffn_group_size <= 0:
+        raise ValueError(f"group sizes must be positive (attn_group_size {wcfg.attn_group_size}, "
+                         f"ffn_group_size {wcfg.ffn_group_size}); attn_group_size 0 means one KV group")
     if wcfg.attn_group_size == 0:
         wcfg.attn_group_size = model_cfg.n_heads // model_cfg.n_kv_heads
     if model_cfg.n_heads % wcfg.attn_group_size:
@@ -85,7 +88,7 @@ class Router(nn.Module):
 
     def logits(self, x):
         with torch.autocast(x.device.type, enabled=False):
-            z = self.up(self.down(x.float()))
+            z = self.up(self.down(x.to(self.down.weight.dtype)))
         return z.view(*x.shape[:-1], self.n_groups, 2)  # [..., G, (execute, skip)]
 
     def forward(self, x):
@@ -234,8 +237,9 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.scale = alpha / rank
-        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))
+        like = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, **like))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, **like))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.dropout = nn.Dropout(dropout)
 
@@ -245,7 +249,8 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def merged(self):
         """An ordinary Linear with W + (alpha/r) B A: the same function, no extra cost at inference."""
-        lin = nn.Linear(self.base.in_features, self.base.out_features, bias=False, device=self.base.weight.device)
+        w = self.base.weight
+        lin = nn.Linear(self.base.in_features, self.base.out_features, bias=False, device=w.device, dtype=w.dtype)
         delta = self.scale * (self.lora_B.double() @ self.lora_A.double())
         lin.weight.copy_((self.base.weight.double() + delta).to(self.base.weight.dtype))
         return lin
@@ -309,7 +314,7 @@ def load_wide(path, device="cpu", dtype=torch.float32, merge=True):
         r.float()
     if merge:
         merge_lora(model)
-    return model.to(device), wcfg
+    return model.to(device).eval(), wcfg
 
 
 def last_width(model, wcfg):
@@ -336,7 +341,7 @@ def capture_inputs(model, batches, names):
     hooks = []
     for i, layer in enumerate(model.layers):
         for n in names:
-            mod = getattr(layer.self_attn if n.endswith(("q_proj", "o_proj")) else layer.mlp, n)
+            mod = getattr(layer.self_attn if n in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp, n)
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, args, key=(i, n): got[key].append(args[0].reshape(-1, args[0].shape[-1]).float())))
     model.eval()

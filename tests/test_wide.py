@@ -340,8 +340,6 @@ def test_group_sizes_that_do_not_divide_raise_value_error_naming_the_size():
     assert all(layer.attn_router is None and layer.ffn_router is None for layer in model.layers)
 
 
-@pytest.mark.xfail(strict=True, reason="wide.check_groups accepts negative group sizes and divides by a zero "
-                                       "ffn_group_size (ZeroDivisionError); it should raise ValueError")
 @pytest.mark.parametrize("field,size", [("attn_group_size", -2), ("ffn_group_size", 0), ("ffn_group_size", -16)])
 def test_group_sizes_that_are_not_positive_raise_value_error(field, size):
     with pytest.raises(ValueError, match=field):
@@ -454,7 +452,6 @@ def test_merged_lora_weight_is_w_plus_alpha_over_r_times_b_a():
     assert_close(model.layers[0].self_attn.q_proj.weight, expected, 1e-6, "merged q_proj weight")
 
 
-@pytest.mark.xfail(strict=True, reason="LoRALinear.merged() always builds an fp32 nn.Linear (no dtype= argument)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=["bf16", "fp64"])
 def test_merged_lora_keeps_the_dtype_of_the_base_weight(dtype):
     lora = wide.LoRALinear(nn.Linear(8, 6, bias=False, dtype=dtype), rank=2, alpha=4.0)
@@ -514,9 +511,6 @@ def test_router_and_lora_checkpoint_round_trips(tmp_path, tokenizer, method):
     assert_close(merged(idx), expected, 1e-5 * expected.abs().max().item(), "logits after load_wide(merge=True)")
 
 
-@pytest.mark.xfail(strict=True, reason="LoRALinear.merged() builds an fp32 nn.Linear whatever the base dtype, "
-                                       "so load_wide(dtype=bfloat16) of a stage-2 checkpoint mixes fp32 and "
-                                       "bf16 weights and the forward raises (as generate.py does on a GPU)")
 def test_load_wide_in_bf16_merges_lora_into_bf16_weights(tmp_path, tokenizer):
     # What generate.py does on a GPU with a stage-2 checkpoint.
     model, wcfg = wide_model(lora_rank=4, lora_alpha=8.0, stage=2)
@@ -530,8 +524,8 @@ def test_load_wide_in_bf16_merges_lora_into_bf16_weights(tmp_path, tokenizer):
     wrong = [n for n, p in loaded.named_parameters() if "router" not in n and p.dtype != torch.bfloat16]
     assert not wrong, f"backbone weights not in bf16 after the merge: {wrong[:3]}"
     # bf16 rounding (and the odd near-tie routed the other way) moves single logits; on average little.
-    diff = (loaded(idx).float() - expected).abs().mean().item()
-    assert diff < 0.1, f"bf16 logits are {diff:.3g} away from fp32 on average"
+    diff = (loaded(idx).float() - expected).abs().mean().item() / expected.abs().mean().item()
+    assert diff < 0.05, f"bf16 logits are {diff:.3g} (relative) away from fp32 on average"
 
 
 def test_load_wide_of_a_dense_checkpoint_raises_checkpoint_error(tmp_path, tokenizer):
