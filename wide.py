@@ -299,7 +299,7 @@ def load_wide(path, device="cpu", dtype=torch.float32, merge=True):
             wcfg = WideConfig(**json.load(f))
     except (json.JSONDecodeError, TypeError) as e:
         raise CheckpointError(f"{file} is corrupt ({e})") from None
-    model = Transformer.from_pretrained(path, device=device, dtype=dtype)
+    model = Transformer.from_pretrained(path, device=device)  # fp32 until LoRA is merged
     install_routers(model, wcfg)
     if wcfg.lora_rank:
         install_lora(model, wcfg.lora_rank, wcfg.lora_alpha)
@@ -310,11 +310,12 @@ def load_wide(path, device="cpu", dtype=torch.float32, merge=True):
         raise CheckpointError(f"{path!r}: router/LoRA tensors do not match wide.json "
                               f"(missing {sorted(expected - set(extra))[:2]}, unexpected {sorted(set(extra) - expected)[:2]})")
     model.load_state_dict(extra, strict=False)
-    for r in routers(model):
-        r.float()
     if merge:
         merge_lora(model)
-    return model.to(device).eval(), wcfg
+    for name, p in model.named_parameters():  # routers stay fp32 (see Router); buffers (RoPE) too
+        if "router" not in name:
+            p.data = p.data.to(dtype)
+    return model.eval(), wcfg
 
 
 def last_width(model, wcfg):

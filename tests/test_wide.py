@@ -523,9 +523,14 @@ def test_load_wide_in_bf16_merges_lora_into_bf16_weights(tmp_path, tokenizer):
     loaded.eval()
     wrong = [n for n, p in loaded.named_parameters() if "router" not in n and p.dtype != torch.bfloat16]
     assert not wrong, f"backbone weights not in bf16 after the merge: {wrong[:3]}"
-    # bf16 rounding (and the odd near-tie routed the other way) moves single logits; on average little.
-    diff = (loaded(idx).float() - expected).abs().mean().item() / expected.abs().mean().item()
-    assert diff < 0.05, f"bf16 logits are {diff:.3g} (relative) away from fp32 on average"
+    # The same as merging in fp32 and then casting the backbone to bf16 (routers stay fp32). This random
+    # model is chaotic (std 0.3 weights), so bf16 vs fp32 logits are not compared here; the kernels'
+    # GPU tests hold the bf16 tolerances.
+    wide.merge_lora(model)
+    for name, p in model.named_parameters():
+        if "router" not in name:
+            p.data = p.data.to(torch.bfloat16)
+    assert torch.equal(loaded(idx), model(idx))
 
 
 def test_load_wide_of_a_dense_checkpoint_raises_checkpoint_error(tmp_path, tokenizer):
