@@ -320,12 +320,12 @@ TUNE = {
         dict(block_m=128, BN=128, BK=128, num_warps=8, num_stages=2),
         dict(block_m=256, BN=64, BK=64, num_warps=8, num_stages=4)]),
     "gemv_mn_1": (lambda: case_gate_up(1), [
-        dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=True),
-        dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=5, prefetch=False),
-        dict(BN=4, BK=512, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=True),
-        dict(BN=2, BK=1024, num_warps=4, num_stages=1, programs_per_sm=6, prefetch=True),
-        dict(BN=4, BK=2048, num_warps=8, num_stages=1, programs_per_sm=2, prefetch=True),
-        dict(BN=8, BK=1024, num_warps=8, num_stages=1, programs_per_sm=1, prefetch=True)]),
+        dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4),
+        dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=6),
+        dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=7),
+        dict(BN=8, BK=512, num_warps=4, num_stages=1, programs_per_sm=4),
+        dict(BN=2, BK=1024, num_warps=4, num_stages=1, programs_per_sm=8),
+        dict(BN=4, BK=512, num_warps=4, num_stages=1, programs_per_sm=6)]),
     "gemm_k": (lambda: case_k(PREFILL_M, FFN, FFN_GS, "down"), [
         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
         dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),

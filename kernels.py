@@ -34,7 +34,7 @@ CONFIGS = {
     "block_m": 128,  # layout tile (gemm_mn token tile, gemm_k atomic token tile)
     "gemm_mn": dict(BN=128, BK=64, num_warps=8, num_stages=4),
     "gemm_mn_fused": dict(BN=128, BK=64, num_warps=8, num_stages=3),
-    "gemv_mn_1": dict(BN=8, BK=256, num_warps=4, num_stages=1, programs_per_sm=5, prefetch=True),
+    "gemv_mn_1": dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4),
     "gemv_mn": dict(BN=32, BK=256, num_warps=4, num_stages=3, programs_per_sm=2),
     "gemm_k": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
     "gemm_k_small": dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=4),
@@ -46,7 +46,7 @@ if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per ele
     CONFIGS.update({
         "block_m": 16,
         "gemm_mn": dict(BN=32, BK=32), "gemm_mn_fused": dict(BN=32, BK=32),
-        "gemv_mn": dict(BN=16, BK=32, programs_per_sm=1), "gemv_mn_1": dict(BN=8, BK=32, programs_per_sm=1, prefetch=True),
+        "gemv_mn": dict(BN=16, BK=32, programs_per_sm=1), "gemv_mn_1": dict(BN=8, BK=32, programs_per_sm=1),
         "gemm_k": dict(BM=16, BN=32, BK=16), "gemm_k_small": dict(BM=16, BN=32, BK=16),
         "gemm_k_atomic": dict(BN=32, BK=16),
         "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, SPLIT=32),
@@ -182,7 +182,7 @@ def layout(mask, block_m=None, backend="auto"):
     work = _empty((G * n_tiles,), torch.int32, dev)
     # The line that builds the layout: one stable prefix-sum partition per group, then the work list.
     _layout_kernel[(G,)](flat.view(torch.uint8), counts, bcounts, perm, T, G, M,
-                         BLOCK=min(1024, triton.next_power_of_2(M)))
+                         BLOCK=min(4096, triton.next_power_of_2(M)), num_warps=8)
     _worklist_kernel[(1,)](counts, work, G, n_tiles, BM=block_m, GP=max(2, triton.next_power_of_2(G)))
     return Layout(flat, counts, perm, work, bcounts, block_m, B)
 
@@ -256,64 +256,35 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, T, sxm, swn, s
 
 
 @triton.jit
-def _gemv_load(x, w, w_up, n, rok, t, M, k0, K, sxm, swn, BK: tl.constexpr, FUSED: tl.constexpr):
-    # x[t, k0:k0+BK] and rows n of w, w_up at the same columns (zeros outside the matrix).
-    kk = tl.arange(0, BK)
-    kok = (k0 + kk < K)[None, :]
-    a = tl.load(x + t[:, None] * sxm + k0 + kk[None, :], mask=(t < M)[:, None] & kok, other=0.0)
-    b = tl.load(w + n[:, None] * swn + k0 + kk[None, :], mask=rok[:, None] & kok, other=0.0)
+def _gemv_step(x, w, w_up, lst, step, end, t, M, K, KS, sxm, swn, GS: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr):
+    # Loads of one step: chunk step // KS (BN rows of one live group), K slice step % KS.
+    chunk, k0 = step // KS, (step % KS) * BK
+    ok = (step + tl.zeros([BN], tl.int32)) < end
+    g = tl.load(lst + chunk * BN // GS + tl.zeros([BN], tl.int32), mask=ok, other=0)  # [BN], all equal
+    n = g * GS + (chunk * BN) % GS + tl.arange(0, BN)
+    kk = k0 + tl.arange(0, BK)
+    kok = (kk < K)[None, :]
+    a = tl.load(x + t[:, None] * sxm + kk[None, :], mask=(t < M)[:, None] & kok, other=0.0)
+    b = tl.load(w + n[:, None] * swn + kk[None, :], mask=ok[:, None] & kok, other=0.0)
     bu = b
     if FUSED:
-        bu = tl.load(w_up + n[:, None] * swn + k0 + kk[None, :], mask=rok[:, None] & kok, other=0.0)
-    return a, b, bu
+        bu = tl.load(w_up + n[:, None] * swn + kk[None, :], mask=ok[:, None] & kok, other=0.0)
+    return a, b, bu, g, n
 
 
 @triton.jit
-def _gemv_acc(x, w, w_up, n, rok, M, K, sxm, swn, BT: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr):
-    # [BT, BN] fp32 products of the BT tokens with weight rows n (and w_up's rows n).
-    t = tl.arange(0, BT)
-    if BT == 1:
-        # One token: FMAs in registers, reduced every K step (small accumulators, no shared
-        # memory, so many programs and loads in flight per SM). PREFETCH issues the next K
-        # slice's loads before this slice is reduced.
-        acc = tl.zeros([BN], tl.float32)
-        acc_up = tl.zeros([BN], tl.float32)
-        a, b, bu = _gemv_load(x, w, w_up, n, rok, t, M, 0, K, sxm, swn, BK, FUSED)
-        for k0 in range(0, K, BK):
-            if PREFETCH:
-                a_nx, b_nx, bu_nx = _gemv_load(x, w, w_up, n, rok, t, M, k0 + BK, K, sxm, swn, BK, FUSED)
-            acc += tl.sum(b.to(tl.float32) * a.to(tl.float32), 1)
-            if FUSED:
-                acc_up += tl.sum(bu.to(tl.float32) * a.to(tl.float32), 1)
-            if PREFETCH:
-                a, b, bu = a_nx, b_nx, bu_nx
-            else:
-                a, b, bu = _gemv_load(x, w, w_up, n, rok, t, M, k0 + BK, K, sxm, swn, BK, FUSED)
-        acc, acc_up = acc[None, :], acc_up[None, :]
-    else:
-        # A few tokens: tl.dot on a 16-row tile (rows past M are predicated off).
-        acc = tl.zeros([BT, BN], tl.float32)
-        acc_up = tl.zeros([BT, BN], tl.float32)
-        for k0 in range(0, K, BK):
-            a, b, bu = _gemv_load(x, w, w_up, n, rok, t, M, k0, K, sxm, swn, BK, FUSED)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee" if IEEE else "tf32")
-            if FUSED:
-                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision="ieee" if IEEE else "tf32")
-    return acc, acc_up
-
-
-@triton.jit
-def _gemv_mn_kernel(x, w, w_up, out, mask, M, N, K, G, sxm, swn, som,
+def _gemv_mn_kernel(x, w, w_up, out, mask, live_list, M, N, K, G, sxm, swn, som,
                     GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    BK: tl.constexpr, FUSED: tl.constexpr, IEEE: tl.constexpr):
     """Decode gemm_mn (M <= BT tokens): the weight rows of groups no token runs are never read.
 
     Grid (P,), persistent. Each program reads the mask itself (no layout, one launch), lists the
-    live groups (some token runs them), and takes an equal share of their output channels, so
-    every program streams the same number of weight bytes. Inactive (token, group) outputs and
-    the channels of dead groups are written as zeros. Twin: gemm_mn_ref.
+    live groups (some token runs them) and takes an equal share of their BN-row chunks, so every
+    program streams about the same number of weight bytes. One flat loop over (chunk, K slice)
+    steps loads the next step before using this one, across chunk boundaries too. One token:
+    FMAs reduced every step; more tokens: tl.dot on a 16-row tile. Inactive (token, group)
+    outputs and the channels of dead groups are written as zeros. Twin: gemm_mn_ref.
     """
     pid, P = tl.program_id(0), tl.num_programs(0)
     t = tl.arange(0, BT)
@@ -322,32 +293,48 @@ def _gemv_mn_kernel(x, w, w_up, out, mask, M, N, K, G, sxm, swn, som,
                    other=0).to(tl.int32)
     live = (tl.max(bits, 0) > 0).to(tl.int32)
     dead = tl.where(gg < G, 1 - live, 0)
-    live_rank, dead_rank = tl.cumsum(live, 0), tl.cumsum(dead, 0)
-    R = tl.sum(live, 0) * GS
-    kk = tl.arange(0, BK)
-    for r0 in range(pid * R // P, (pid + 1) * R // P, BN):  # this program's share of live rows
-        rr = r0 + tl.arange(0, BN)
-        rok = rr < (pid + 1) * R // P
-        j = rr // GS  # rank of the live group of each row -> its index
-        g = tl.sum(tl.where((live[None, :] > 0) & (live_rank[None, :] == j[:, None] + 1),
-                            gg[None, :], 0), 1)
-        n = (g * GS + rr % GS).to(tl.int64)
-        acc, acc_up = _gemv_acc(x, w, w_up, n, rok, M, K, sxm, swn, BT, BN, BK, FUSED, PREFETCH, IEEE)
-        if FUSED:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-        smask = (t < M)[:, None] & rok[None, :]
-        on = tl.load(mask + t[:, None] * G + g[None, :], mask=smask, other=0) > 0
-        tl.store(out + t[:, None] * som + n[None, :], tl.where(on, acc, 0.0).to(out.dtype.element_ty),
-                 mask=smask)
-    D = (G * GS - R)  # the dead groups' channels, shared out the same way: zeros only
-    for r0 in range(pid * D // P, (pid + 1) * D // P, BN):
-        rr = r0 + tl.arange(0, BN)
-        rok = rr < (pid + 1) * D // P
-        j = rr // GS
-        g = tl.sum(tl.where((dead[None, :] > 0) & (dead_rank[None, :] == j[:, None] + 1), gg[None, :], 0), 1)
-        n = g * GS + rr % GS
+    n_live = tl.sum(live, 0)
+    lst = live_list + pid * GP  # this program's list: live groups ascending, then dead ones
+    tl.store(lst + tl.cumsum(live, 0) - 1, gg, mask=live > 0)
+    tl.store(lst + n_live + tl.cumsum(dead, 0) - 1, gg, mask=dead > 0)
+    tl.debug_barrier()
+    KS = tl.cdiv(K, BK)
+    C = n_live * (GS // BN)  # live chunks, shared out evenly
+    begin, end = pid * C // P * KS, (pid + 1) * C // P * KS
+    if BT == 1:
+        acc = tl.zeros([BN], tl.float32)
+        acc_up = tl.zeros([BN], tl.float32)
+    else:
+        acc = tl.zeros([BT, BN], tl.float32)
+        acc_up = tl.zeros([BT, BN], tl.float32)
+    a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_step(x, w, w_up, lst, begin, end, t, M, K, KS, sxm, swn,
+                                               GS, BN, BK, FUSED)
+    for step in range(begin, end):
+        a, b, bu, g, n = a_nx, b_nx, bu_nx, g_nx, n_nx
+        a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_step(x, w, w_up, lst, step + 1, end, t, M, K, KS,
+                                                   sxm, swn, GS, BN, BK, FUSED)
+        if BT == 1:
+            acc += tl.sum(b.to(tl.float32) * a.to(tl.float32), 1)
+            if FUSED:
+                acc_up += tl.sum(bu.to(tl.float32) * a.to(tl.float32), 1)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee" if IEEE else "tf32")
+            if FUSED:
+                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision="ieee" if IEEE else "tf32")
+        if step % KS == KS - 1:  # chunk done: epilogue
+            res = acc if BT > 1 else acc[None, :]
+            if FUSED:
+                res = res / (1.0 + tl.exp(-res)) * (acc_up if BT > 1 else acc_up[None, :])
+            on = tl.load(mask + t[:, None] * G + g[None, :], mask=(t < M)[:, None], other=0) > 0
+            tl.store(out + t[:, None] * som + n[None, :], tl.where(on, res, 0.0).to(out.dtype.element_ty),
+                     mask=(t < M)[:, None])
+            acc = acc * 0.0
+            acc_up = acc_up * 0.0
+    D = (G - n_live) * (GS // BN)  # dead groups' chunks, shared out the same way: zeros only
+    for c in range(pid * D // P, (pid + 1) * D // P):
+        n = tl.load(lst + n_live + c * BN // GS) * GS + (c * BN) % GS + tl.arange(0, BN)
         tl.store(out + t[:, None] * som + n[None, :], tl.zeros([BT, BN], out.dtype.element_ty),
-                 mask=(t < M)[:, None] & rok[None, :])
+                 mask=(t < M)[:, None])
 
 
 def gemm_mn_ref(x, w, mask, group_size, w_up=None):
@@ -382,10 +369,12 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, backend="auto", zero_pr
         cfg = CONFIGS["gemv_mn_1" if M == 1 else "gemv_mn"]
         m = _flat_mask(mask_or_layout).view(torch.uint8)
         P = cfg["programs_per_sm"] * _num_sms(x.device)
-        _gemv_mn_kernel[(P,)](x, w, w_up, out, m, M, N, K, G, x.stride(0), w.stride(0), out.stride(0),
-                              GS=group_size, GP=max(2, triton.next_power_of_2(G)), BT=1 if M == 1 else SMALL_M, BN=cfg["BN"],
-                              BK=cfg["BK"], FUSED=fused, PREFETCH=cfg.get("prefetch", False), IEEE=ieee,
-                              **_launch(cfg))
+        GP = max(2, triton.next_power_of_2(G))
+        BN = _pow2_divisor(group_size, cfg["BN"])
+        _gemv_mn_kernel[(P,)](x, w, w_up, out, m, _empty((P, GP), torch.int32, x.device), M, N, K, G,
+                              x.stride(0), w.stride(0), out.stride(0), GS=group_size, GP=GP,
+                              BT=1 if M == 1 else SMALL_M, BN=BN, BK=cfg["BK"], FUSED=fused,
+                              IEEE=ieee, **_launch(cfg))
         return out
     lay = _as_layout(mask_or_layout, backend)
     cfg = CONFIGS["gemm_mn_fused" if fused else "gemm_mn"]
