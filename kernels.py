@@ -33,14 +33,14 @@ SMALL_M = 16  # at most this many tokens: the decode (GEMV) paths, no layout nee
 CONFIGS = {
     "block_m": 128,  # layout tile (gemm_mn token tile, gemm_k atomic token tile)
     "gemm_mn": dict(BN=128, BK=64, num_warps=8, num_stages=4),
-    "gemm_mn_fused": dict(BN=128, BK=64, num_warps=8, num_stages=3),
-    "gemv_mn_1": dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4),
-    "gemv_mn": dict(BN=32, BK=256, num_warps=4, num_stages=3, programs_per_sm=2),
-    "gemm_k": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
-    "gemm_k_small": dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=4),
+    "gemm_mn_fused": dict(BN=128, BK=64, num_warps=8, num_stages=4),
+    "gemv_mn_1": dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=7),
+    "gemv_mn": dict(BN=16, BK=256, num_warps=4, num_stages=1, programs_per_sm=2),
+    "gemm_k": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
+    "gemm_k_small": dict(BM=16, BN=16, BK=128, num_warps=4, num_stages=6),
     "gemm_k_atomic": dict(BN=128, BK=64, num_warps=8, num_stages=3),
     "attn_prefill": dict(BM=128, BN=64, num_warps=8, num_stages=3),
-    "attn_decode": dict(BN=64, SPLIT=512, num_warps=4, num_stages=3),
+    "attn_decode": dict(BN=128, SPLIT=2048, num_warps=8, num_stages=2),
 }
 if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per element
     CONFIGS.update({
