@@ -187,3 +187,21 @@ def test_show_width_on_a_router_checkpoint_colours_tokens(checkpoint, tmp_path):
                    "--max-new-tokens", "8")
     assert r.returncode == 0, r.stderr
     assert "\033[" in r.stdout and "realized sparsity" in r.stdout and "executed linear FLOPs" in r.stdout
+
+
+# ----------------------------------------------------------------------------------------------------
+# eval.py's matched-FLOP helpers
+
+
+def test_matched_flops_interpolates_log_perplexity_between_bracketing_points():
+    import eval as ev
+    pts = [(0.5, 100.0), (0.8, 50.0)]
+    assert ev.interpolate(pts, 0.5) == pytest.approx(100.0)
+    assert ev.interpolate(pts, 0.65) == pytest.approx((100.0 * 50.0) ** 0.5)  # geometric midpoint
+    assert ev.interpolate(pts, 0.9) is None  # never extrapolate
+
+
+def test_solve_target_finds_the_sparsity_with_the_requested_flops():
+    import eval as ev
+    flops = lambda s: 1.0 - 0.6 * s
+    assert flops(ev.solve_target(flops, 0.7)) == pytest.approx(0.7, abs=1e-4)
