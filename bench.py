@@ -3,6 +3,7 @@ GPU speed tables (BENCH.md protocol). Run on a CUDA machine:
 
   python bench.py kernels   # every WIDE kernel vs cuBLAS / SDPA, Llama-3.1-8B shapes, bf16
   python bench.py tune      # sweep the block sizes of kernels.CONFIGS on the target shapes
+  python bench.py e2e       # whole-model prefill and decode, WIDE vs dense in the same engine
 
 `kernels` first checks each op against its fp32 reference (fresh random inputs, NaN-poisoned
 outputs, pruned slots exactly zero, rel err <= 1e-2), then times with triton.testing.do_bench
@@ -10,6 +11,11 @@ medians (L2 flushed between reps). Sparse times include everything the sparse pa
 layout (mask reordering) and the output zeroing. Decode-sized rows are also timed as CUDA-graph
 replays over 4 rotating copies of the weights / KV cache (nothing stays in L2, no launch gaps).
 Results: results/kernels_h200.json and results/kernels_h200.md.
+
+`e2e` runs a Llama-3.1-8B-shaped model (random bf16 weights) through model.py's Triton backend:
+prefill of 4096 tokens, and decode steps captured as CUDA graphs (generate.CUDAGraphDecoder) at batch
+1, 8 and 32 over a KV cache filled to 1k and 8k tokens. WIDE and the dense baseline (the same model
+with its routers removed) run in the same engine. Results: results/e2e_h200.json and .md.
 """
 import argparse
 import datetime
@@ -397,13 +403,357 @@ def run_tune(args):
         json.dump(results, f, indent=1)
 
 
+# ----------------------------------------------------------------------------------- end to end
+E2E_BATCHES, E2E_CONTEXTS, E2E_PREFILL = (1, 8, 32), (1024, 8192), 4096
+
+
+def e2e_model(preset="llama-3.1-8b", max_seq_len=None):
+    """A preset's shape with random bf16 weights (std 0.02) and WIDE routers; built on the GPU directly."""
+    import wide
+    from model import ModelConfig, Transformer, rope_frequencies
+    cfg = ModelConfig.from_name(preset)
+    cfg.max_seq_len = max_seq_len or cfg.max_seq_len
+    torch.set_default_dtype(DT)
+    try:
+        with torch.device("meta"):
+            m = Transformer(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    m.to_empty(device=DEVICE)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.02) if p.dim() == 2 else p.fill_(1.0)
+    m.inv_freq = rope_frequencies(cfg).to(DEVICE)
+    heads = ATTN_HEADS_PER_GROUP if cfg.n_heads == H else cfg.n_heads // cfg.n_kv_heads
+    wcfg = wide.WideConfig(attn_group_size=heads, ffn_group_size=FFN_GS if cfg.intermediate_size == FFN else 32)
+    wide.install_routers(m, wcfg)
+    return m.eval(), wcfg
+
+
+@torch.no_grad()
+def calibrate_routers(m, sparsity=0.5, tokens=1024, passes=2):
+    """Shift each group's skip-logit bias so that the group skips `sparsity` of the tokens of a random
+    prompt. The routers are the real wide.Router (Kaiming-uniform weights); only the biases move. Two
+    passes, since the later layers see what the earlier layers' masks did."""
+    import wide
+    routers = list(wide.routers(m))
+    idx = torch.randint(0, m.config.vocab_size, (1, min(tokens, m.config.max_seq_len)), device=DEVICE)
+    for _ in range(passes):
+        seen = {}
+        hooks = [r.register_forward_hook(lambda mod, a, out: seen.__setitem__(mod, a[0])) for r in routers]
+        m.set_backend("torch")
+        m(idx)
+        for h in hooks:
+            h.remove()
+        for r, x in seen.items():
+            z = r.logits(x).reshape(-1, r.n_groups, 2).float()
+            d = z[..., 1] - z[..., 0]  # skip iff d > 0
+            r.up.bias.view(-1, 2)[:, 1] -= torch.quantile(d, 1 - sparsity, dim=0)
+
+
+def weight_bytes(m):
+    # What a decode step must read once: every weight except the embedding table (one row per token).
+    return sum(p.numel() * p.element_size() for n, p in m.named_parameters()
+               if "router" not in n and ("embed_tokens" not in n or m.lm_head is None))
+
+
+def kv_bytes(cfg, batch, context):
+    return cfg.n_layers * batch * context * 2 * cfg.n_kv_heads * cfg.head_dim * 2
+
+
+def events_ms(fn, reps):
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    fn(reps)
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) / reps
+
+
+@torch.no_grad()
+def time_prefill(m, T, reps=5):
+    """One prompt of T tokens at positions 0..T-1 into the static cache, logits of its last token."""
+    m.setup_caches(1, T)
+    idx = torch.randint(0, m.config.vocab_size, (1, T), device=DEVICE)
+    pos, last = torch.arange(T, device=DEVICE), torch.tensor([T - 1], device=DEVICE)
+    run = lambda n: [m(idx, input_pos=pos, logits_at=last) for _ in range(n)]
+    run(2)
+    times = sorted(events_ms(run, 1) for _ in range(reps))
+    m.clear_caches()
+    return times[len(times) // 2]
+
+
+@torch.no_grad()
+def time_decode(m, batch, context, steps):
+    """ms per decode step (B new tokens) over a cache filled to `context` with random K/V, as
+    generate() runs it: CUDA-graph replay, greedy argmax, next position. Also the masks the WIDE
+    routers chose: skipped share and, for B > 1, the share of groups live in the batch's union."""
+    from generate import CUDAGraphDecoder
+    m.setup_caches(batch, context + steps + 16)
+    for layer in m.layers:  # as if a prompt of `context` tokens had been prefilled
+        c = layer.self_attn.kv_cache
+        c.k_cache[:, :, :context].normal_()
+        c.v_cache[:, :, :context].normal_()
+    token = torch.randint(0, m.config.vocab_size, (batch, 1), device=DEVICE)
+    pos = torch.full((batch,), context, device=DEVICE)
+    step = CUDAGraphDecoder(m, token, pos)
+    state = dict(token=token)
+
+    def run(n):
+        for _ in range(n):
+            state["token"] = step(state["token"], pos).argmax(-1, keepdim=True)
+            pos.add_(1)
+    run(3)
+    ms = events_ms(run, steps)
+    masks = None
+    if m.layers[0].attn_router is not None:
+        got = {k: [] for k in ("attn_skip", "ffn_skip", "attn_union_live", "ffn_union_live")}
+        for _ in range(4):
+            run(1)
+            for layer in m.layers:
+                for kind, r in (("attn", layer.attn_router), ("ffn", layer.ffn_router)):
+                    keep = r.keep.float().reshape(batch, -1)
+                    got[f"{kind}_skip"].append(1 - keep.mean().item())
+                    got[f"{kind}_union_live"].append(keep.amax(0).mean().item())
+        masks = {k: round(sum(v) / len(v), 4) for k, v in got.items()}
+    del step
+    m.clear_caches()
+    torch.cuda.empty_cache()
+    return ms, masks
+
+
+class policy:
+    """Temporarily set model.py's module-level knobs (SPARSE_DECODE_MAX_TOKENS, DENSE_DECODE_ATTENTION...)."""
+
+    def __init__(self, **knobs):
+        import model
+        self.model, self.knobs = model, knobs
+
+    def __enter__(self):
+        self.old = {k: getattr(self.model, k) for k in self.knobs}
+        for k, v in self.knobs.items():
+            setattr(self.model, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            setattr(self.model, k, v)
+
+
+def run_e2e(args):
+    import triton
+    import model as model_py
+    from generate import routers_off, routers_on
+    t_start = __import__("time").time()
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="python " + " ".join(sys.argv), copy_GBps=COPY_GBS,
+                policy=dict(SPARSE_DECODE_MAX_TOKENS=model_py.SPARSE_DECODE_MAX_TOKENS,
+                            SPARSE_PREFILL_MIN_TOKENS=model_py.SPARSE_PREFILL_MIN_TOKENS),
+                model="Llama-3.1-8B shape (32 layers, D 4096, 32 q / 8 kv heads, FFN 14336, vocab 128256), "
+                      "random bf16 weights; attention groups of 4 query heads (= one KV head), FFN groups "
+                      "of 128 channels",
+                routers="wide.Router (Kaiming-uniform, fp32) on the real hidden states; each group's skip-logit "
+                        "bias set to the median of its (skip - execute) logit gap on a random 1024-token "
+                        "prompt (2 passes), so every group skips about half of the tokens",
+                timing="CUDA events; prefill: median of 5 forwards (logits of the last token only); decode: "
+                       "mean over N CUDA-graph replays incl. greedy argmax, after 3 warm-up steps",
+                rows=[])
+    rows = meta["rows"]
+    stamp = dict(gpu=meta["gpu"], torch=meta["torch"], triton=meta["triton"])
+
+    def save():
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out + ".json", "w") as f:
+            json.dump(meta, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(e2e_markdown(meta))
+
+    def over_budget():
+        return __import__("time").time() - t_start > args.budget_s
+
+    def attempt(label, fn):
+        try:
+            return fn()
+        except Exception as e:  # one failed variant (e.g. out of memory) must not lose the others
+            print(f"  {label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            torch.cuda.empty_cache()
+            return None
+
+    m, wcfg = e2e_model(max_seq_len=max(E2E_CONTEXTS) + 256)
+    calibrate_routers(m, 0.5)
+    m.set_backend("triton")
+    cfg, wbytes = m.config, weight_bytes(m)
+    print(f"model ready ({wbytes / 1e9:.2f} GB of weights read per decode step), "
+          f"{__import__('time').time() - t_start:.0f}s", flush=True)
+
+    # prefill
+    saved = routers_off(m)
+    dense_ms = attempt("prefill dense", lambda: time_prefill(m, E2E_PREFILL))
+    routers_on(m, saved)
+    wide_ms = attempt("prefill wide", lambda: time_prefill(m, E2E_PREFILL))
+    if dense_ms and wide_ms:
+        head = cfg.vocab_size * cfg.dim  # linear FLOPs (the head for the last token only) + causal attention
+        flops = (2 * (wbytes / 2 - head) * E2E_PREFILL + 2 * head
+                 + 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * E2E_PREFILL ** 2)
+        rows.append(dict(phase="prefill", batch=1, context=E2E_PREFILL, dense_ms=dense_ms, wide_ms=wide_ms,
+                         dense_tok_s=E2E_PREFILL / dense_ms * 1e3, wide_tok_s=E2E_PREFILL / wide_ms * 1e3,
+                         speedup=dense_ms / wide_ms, dense_TFLOPs=flops / dense_ms / 1e9, **stamp))
+        print("  " + fmt_row(rows[-1]), flush=True)
+        save()
+
+    # decode
+    for batch in E2E_BATCHES:
+        for context in E2E_CONTEXTS:
+            if over_budget():
+                print(f"decode batch {batch} context {context}: skipped (time budget)", flush=True)
+                continue
+            steps = 40 if batch * context <= 8 * 8192 else 20
+            print(f"decode batch {batch}, context {context}", flush=True)
+            dense, wide_ = {}, {}
+            saved = routers_off(m)
+            for attn in ("triton", "sdpa"):
+                with policy(DENSE_DECODE_ATTENTION=attn):
+                    r = attempt(f"dense ({attn} attention)", lambda: time_decode(m, batch, context, steps))
+                if r:
+                    dense[attn] = r[0]
+            routers_on(m, saved)
+            variants = {"default": model_py.SPARSE_DECODE_MAX_TOKENS}
+            if batch > model_py.SPARSE_DECODE_MAX_TOKENS:
+                variants["all sparse"] = 64
+            masks = None
+            for name, limit in variants.items():
+                with policy(SPARSE_DECODE_MAX_TOKENS=limit):
+                    r = attempt(f"wide ({name})", lambda: time_decode(m, batch, context, steps))
+                if r:
+                    wide_[name], masks = r[0], masks or r[1]
+            if not dense or not wide_:
+                continue
+            d_attn, d_ms = min(dense.items(), key=lambda kv: kv[1])
+            w_pol, w_ms = min(wide_.items(), key=lambda kv: kv[1])
+            gbytes = wbytes + kv_bytes(cfg, batch, context)
+            rows.append(dict(phase="decode", batch=batch, context=context, dense_ms=d_ms, wide_ms=w_ms,
+                             dense_tok_s=batch / d_ms * 1e3, wide_tok_s=batch / w_ms * 1e3, speedup=d_ms / w_ms,
+                             dense_GBps=gbytes / d_ms / 1e6, dense_copy_frac=gbytes / d_ms / 1e6 / COPY_GBS,
+                             dense_attention=d_attn, dense_ms_by_attention=dense, wide_policy=w_pol,
+                             wide_ms_by_policy=wide_, bytes_per_step=gbytes, masks=masks, **stamp))
+            print("  " + fmt_row(rows[-1]), flush=True)
+            save()
+    del m
+    torch.cuda.empty_cache()
+
+    # realism: the trained small model if there is one, else the small preset with calibrated routers
+    if not over_budget():
+        attempt("small model", lambda: small_model_rows(args, rows, stamp))
+        save()
+    meta["wall_s"] = round(__import__("time").time() - t_start)
+    save()
+    print(e2e_markdown(meta))
+
+
+@torch.no_grad()
+def small_model_rows(args, rows, stamp):
+    import wide
+    from generate import find_router_checkpoint, generate, routers_off, routers_on
+    try:
+        path = find_router_checkpoint(args.small_dir, "wide", 0.5)
+        m, wcfg = wide.load_wide(path, device=DEVICE, dtype=DT)
+        source = f"trained checkpoint {path} (stage {wcfg.stage})"
+    except SystemExit:
+        m, wcfg = e2e_model("small")
+        calibrate_routers(m, 0.5, tokens=512)
+        source = "small preset, random weights, calibrated random routers (no trained checkpoint on the GPU machine)"
+    m.set_backend("triton")
+    cfg = m.config
+    prompt = min(128, cfg.max_seq_len // 2)
+    new = min(128, cfg.max_seq_len - prompt)
+    for batch in (1, 8):
+        idx = torch.randint(0, cfg.vocab_size, (batch, prompt), device=DEVICE)
+        speed, widths = {}, []
+        for name in ("wide", "dense"):
+            saved = routers_off(m) if name == "dense" else None
+            on_token = None if saved else lambda i, tok: widths.append(wide.last_width(m, wcfg))
+            generate(m, idx, 32, on_token=on_token)  # warm-up; for WIDE also the masks it chose
+            t = {}
+            generate(m, idx, new, timings=t)
+            speed[name] = t["decode_s"] / (new - 1) * 1e3
+            if saved:
+                routers_on(m, saved)
+        skip = {k: round(1 - torch.stack([w[k][:, -1].float().mean() for w in widths[1:]]).mean().item(), 4)
+                for k in ("attn", "ffn")}
+        rows.append(dict(phase="decode (small model)", batch=batch, context=prompt, dense_ms=speed["dense"],
+                         wide_ms=speed["wide"], dense_tok_s=batch / speed["dense"] * 1e3,
+                         wide_tok_s=batch / speed["wide"] * 1e3, speedup=speed["dense"] / speed["wide"],
+                         dense_GBps=(weight_bytes(m) + kv_bytes(cfg, batch, prompt)) / speed["dense"] / 1e6,
+                         masks=dict(attn_skip=skip["attn"], ffn_skip=skip["ffn"]), model=source, **stamp))
+        print("  " + fmt_row(rows[-1]), flush=True)
+
+
+def fmt_row(r):
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+                     if k not in ("gpu", "torch", "triton"))
+
+
+E2E_TARGETS = [("decode", 1, "dense decode >= 75% of the copy ceiling", "copy", 0.75),
+               ("decode", 1, "WIDE decode, batch 1: >= 1.65x dense (paper 1.55x)", "speedup", 1.65),
+               ("prefill", 1, "WIDE prefill, 4096 tokens: >= 1.7x dense (paper 1.68x)", "speedup", 1.7)]
+
+
+def e2e_markdown(meta):
+    rows = meta["rows"]
+    out = [f"# WIDE end to end on {meta['gpu']}", "",
+           f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, `{meta['command']}`.", "",
+           f"Model: {meta['model']}. Routers: {meta['routers']}. Engine: model.py's Triton backend; decode "
+           f"steps are CUDA graphs (generate.CUDAGraphDecoder); the dense baseline is the same model with "
+           f"its routers removed, in the same engine (cuBLAS linears; decode attention the faster of the "
+           f"split-KV Triton kernel with every head on and masked SDPA; prefill attention SDPA's default "
+           f"backend). Timing: {meta['timing']}. Dense GB/s = (weights + KV cache read) per step / time, "
+           f"against the {meta['copy_GBps']} GB/s copy ceiling.", "",
+           "| phase | batch | context | dense tok/s | WIDE tok/s | speedup | dense GB/s (of copy) | "
+           "skipped attn / FFN groups | live in batch union attn / FFN |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gbs = f"{r['dense_GBps']:.0f} ({r['dense_GBps'] / meta['copy_GBps']:.0%})" if "dense_GBps" in r else \
+            f"{r.get('dense_TFLOPs', 0):.0f} TFLOP/s"
+        mk = r.get("masks") or {}
+        skip = f"{mk['attn_skip']:.0%} / {mk['ffn_skip']:.0%}" if mk else ""
+        union = (f"{mk['attn_union_live']:.0%} / {mk['ffn_union_live']:.0%}"
+                 if "attn_union_live" in mk and r["batch"] > 1 else "")
+        out.append(f"| {r['phase']} | {r['batch']} | {r['context']} | {r['dense_tok_s']:.1f} | "
+                   f"{r['wide_tok_s']:.1f} | {r['speedup']:.2f}x | {gbs} | {skip} | {union} |")
+    out += ["", "Variants (ms per step): dense by decode attention, WIDE by policy ('default' = model.py's "
+            "SPARSE_DECODE_MAX_TOKENS; 'all sparse' = every pruned linear through its Triton kernel at this "
+            "batch):", ""]
+    for r in rows:
+        if "dense_ms_by_attention" in r:
+            out.append(f"- batch {r['batch']}, context {r['context']}: dense "
+                       + ", ".join(f"{k} {v:.3f}" for k, v in r["dense_ms_by_attention"].items())
+                       + "; WIDE " + ", ".join(f"{k} {v:.3f}" for k, v in r["wide_ms_by_policy"].items()))
+        elif "model" in r:
+            out.append(f"- {r['phase']}, batch {r['batch']}: {r['model']}")
+    out += ["", "Targets:", "", "| target | measured | |", "|---|---|---|"]
+    for phase, batch, text, key, goal in E2E_TARGETS:
+        vals = [r for r in rows if r["phase"] == phase and r["batch"] == batch]
+        if not vals:
+            out.append(f"| {text} | not measured | |")
+            continue
+        got = [(r["dense_copy_frac"] if key == "copy" else r["speedup"], r["context"]) for r in vals]
+        shown = ", ".join(f"{v:.0%}" if key == "copy" else f"{v:.2f}x" for v, _ in got)
+        ctx = ", ".join(str(c) for _, c in got)
+        out.append(f"| {text} | {shown} (context {ctx}) | {'met' if min(v for v, _ in got) >= goal else 'missed'} |")
+    return "\n".join(out) + "\n"
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["kernels", "tune"])
-    p.add_argument("--out", default="results/kernels_h200", help="output path prefix (.json, .md)")
+    p.add_argument("what", choices=["kernels", "tune", "e2e"])
+    p.add_argument("--out", default=None, help="output path prefix (.json, .md); default "
+                   "results/kernels_h200 (kernels, tune) or results/e2e_h200 (e2e)")
     p.add_argument("--only", default="", help="run only the ops whose name contains this")
+    p.add_argument("--budget-s", type=float, default=420, help="e2e: skip the remaining rows after this long")
+    p.add_argument("--small-dir", default="out", help="e2e: where to look for a trained router checkpoint")
     args = p.parse_args()
+    args.out = args.out or ("results/e2e_h200" if args.what == "e2e" else "results/kernels_h200")
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU (the kernels' correctness tests run on CPU: pytest)")
     torch.manual_seed(0)
-    {"kernels": run_kernels, "tune": run_tune}[args.what](args)
+    {"kernels": run_kernels, "tune": run_tune, "e2e": run_e2e}[args.what](args)

@@ -4,10 +4,18 @@ token at a time, each attending to the cache).
 
     python generate.py --prompt "ROMEO:"                 # the dense model train.py wrote to out/base
     python generate.py --sparsity 0.5 --show-width       # WIDE: every token picks its own width
+    python generate.py --sparsity 0.5 --compare-dense    # tokens/s of WIDE next to the dense model
     python generate.py --checkpoint path/to/hf-llama-dir  # any local HF Llama directory works too
 
 With --sparsity S the router checkpoint trained for target S is used (stage 2 if present, else stage 1),
 and the realized attention/FFN sparsity and the executed fraction of linear FLOPs are printed.
+
+--backend: "torch" is the dense-masked reference (every layer computed, skipped groups zeroed);
+"triton" runs the pruned ops through kernels.py, skipping their work; "auto" (default) is triton on a
+GPU. On a GPU each decode step is captured once as a CUDA graph and replayed (gpt-fast's
+"reduce-overhead", by hand). --compare-dense runs the same prompts again with the routers switched
+off, in the same engine, and prints both speeds. Several --prompt flags generate one batch of prompts
+of different lengths (right-padded; each row decodes at its own positions).
 
 An empty prompt (--prompt "") starts from the end-of-text token, i.e. the model begins a new passage.
 """
@@ -38,40 +46,103 @@ def sample(logits, temperature, top_k, generator=None):
 
 
 @torch.no_grad()
-def prefill(model, idx, temperature, top_k, generator=None):
-    """Run the whole prompt at positions 0..P-1; return the first new token."""
-    input_pos = torch.arange(idx.size(1), device=idx.device)
-    logits = model(idx, input_pos=input_pos)
+def prefill(model, idx, temperature, top_k, generator=None, lengths=None):
+    """Run the whole prompt at positions 0..P-1; return the first new token of each row.
+
+    With right-padded prompts, row b's next token comes from its last real position lengths[b] - 1;
+    the padding after it cannot reach the real tokens (attention is causal)."""
+    B, P = idx.shape
+    last = torch.full((B,), P - 1, device=idx.device) if lengths is None else lengths - 1
+    logits = model(idx, input_pos=torch.arange(P, device=idx.device), logits_at=last)
     return sample(logits[:, -1], temperature, top_k, generator)
 
 
 @torch.no_grad()
 def decode_one_token(model, token, pos, temperature, top_k, generator=None):
-    """One new token per sequence at position `pos`, attending to everything cached before it."""
-    logits = model(token, input_pos=pos.view(1))
+    """One new token per sequence at position `pos` (a scalar, or one per row), attending to the cache."""
+    logits = model(token, input_pos=pos.view(1) if pos.dim() == 0 else pos.view(-1, 1))
     return sample(logits[:, -1], temperature, top_k, generator)
 
 
+class CUDAGraphDecoder:
+    """One decode step captured as a CUDA graph over static buffers (gpt-fast's reduce-overhead, by hand).
+
+    A replay launches every kernel of the step (Triton or cuBLAS) with no Python in between, so a
+    decode step costs its GPU time, not its launch overhead. The warm-up runs outside the graph (Triton
+    compiles, cuBLAS picks its kernels) with the step's real inputs, so the K/V it writes into the cache
+    are the ones the step itself writes again. Sampling stays outside, in eager mode."""
+
+    def __init__(self, model, token, pos):
+        self.model, self.token, self.pos = model, token.clone(), pos.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.forward()
+
+    def forward(self):
+        pos = self.pos.view(1) if self.pos.dim() == 0 else self.pos.view(-1, 1)
+        return self.model(self.token, input_pos=pos)[:, -1]
+
+    def __call__(self, token, pos):
+        self.token.copy_(token)
+        self.pos.copy_(pos)
+        self.graph.replay()
+        return self.logits
+
+
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, generator=None, on_token=None):
-    """idx [B, P] prompt ids -> [B, P + max_new_tokens]. The same prompt length for the whole batch."""
+def generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, generator=None, on_token=None,
+             lengths=None, cuda_graph=None, timings=None):
+    """idx [B, P] prompt ids -> [B, P + max_new_tokens].
+
+    lengths [B]: the prompts have different lengths, right-padded into idx; row b of the result is its
+    prompt idx[b, :lengths[b]], its new tokens, then zeros. cuda_graph: capture the decode step
+    (default: on a GPU). timings: a dict that receives prefill_s, decode_s and decode_tokens (the
+    decode steps after the graph capture, synchronized)."""
     B, P = idx.shape
     total = P + max_new_tokens
     if total > model.config.max_seq_len:
         raise ValueError(f"{P} prompt tokens + {max_new_tokens} new tokens exceed the context of "
                          f"{model.config.max_seq_len}; shorten the prompt or lower --max-new-tokens")
+    if lengths is not None:
+        lengths = torch.as_tensor(lengths, device=idx.device)
+    if cuda_graph is None:
+        cuda_graph = idx.is_cuda
     model.setup_caches(B, total)
-    out = torch.empty(B, total, dtype=torch.long, device=idx.device)
-    out[:, :P] = idx
+    out = torch.zeros(B, total, dtype=torch.long, device=idx.device)
+    out[:, :P] = idx if lengths is None else idx * (torch.arange(P, device=idx.device) < lengths[:, None])
     try:
-        token = prefill(model, idx, temperature, top_k, generator)
+        t0 = clock(idx.device)
+        token = prefill(model, idx, temperature, top_k, generator, lengths)
+        t1 = clock(idx.device)
+        prefill_s, step = t1 - t0, None
         for i in range(max_new_tokens):
-            out[:, P + i] = token[:, 0]
+            if lengths is None:
+                out[:, P + i] = token[:, 0]
+            else:
+                out.scatter_(1, (lengths + i)[:, None], token)
             if on_token is not None:
                 on_token(i, token)
-            if i + 1 < max_new_tokens:
-                pos = torch.tensor(P + i, device=idx.device)
+            if i + 1 == max_new_tokens:
+                break
+            # Every row's next token sits right after its own last one: one position for the whole
+            # batch, or one per row when the prompts differ in length.
+            pos = torch.tensor(P + i, device=idx.device) if lengths is None else lengths + i
+            if cuda_graph and step is None:
+                step = CUDAGraphDecoder(model, token, pos)
+                t1 = clock(idx.device)  # the capture is setup, not decode time
+            if step is not None:
+                token = sample(step(token, pos), temperature, top_k, generator)
+            else:
                 token = decode_one_token(model, token, pos, temperature, top_k, generator)
+        if timings is not None:
+            timings.update(prefill_s=prefill_s, decode_s=clock(idx.device) - t1,
+                           decode_tokens=B * (max_new_tokens - 1))
     finally:
         model.clear_caches()
     return out
@@ -89,6 +160,11 @@ def encode_prompt(tok, prompt):
 def sync(device):
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def clock(device):
+    sync(device)
+    return time.perf_counter()
 
 
 def find_router_checkpoint(out_dir, method, sparsity):
@@ -127,13 +203,19 @@ def main(argv=None):
     p.add_argument("--method", default="wide", choices=["wide", "layerskip"], help="with --sparsity")
     p.add_argument("--out-dir", default="out", help="where train.py wrote its checkpoints")
     p.add_argument("--show-width", action="store_true", help="colour each token by the width it used")
-    p.add_argument("--prompt", default="ROMEO:")
+    p.add_argument("--prompt", action="append", help="the prompt (default ROMEO:); give it several times "
+                   "for one batch of prompts of different lengths")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=200)
-    p.add_argument("--num-samples", type=int, default=1, help="samples generated together as one batch")
+    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt, generated together as one batch")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="torch: dense-masked reference; triton: kernels.py skips the pruned work; "
+                        "auto: triton on a GPU")
+    p.add_argument("--compare-dense", action="store_true", help="also time the same generation with the "
+                   "routers off (the dense model, same engine) and print both speeds")
     args = p.parse_args(argv)
 
     if args.device == "auto":
@@ -154,47 +236,53 @@ def main(argv=None):
     if os.path.isfile(os.path.join(path, "wide.json")):
         model, wcfg = wide.load_wide(path, device=args.device, dtype=dtype)
     else:
-        if args.show_width:
-            raise SystemExit(f"error: --show-width needs a router checkpoint; {path} is a dense model "
-                             "(add --sparsity 0.5)")
+        if args.show_width or args.compare_dense:
+            raise SystemExit(f"error: --{'show-width' if args.show_width else 'compare-dense'} needs a router "
+                             f"checkpoint; {path} is a dense model (add --sparsity 0.5)")
         model = Transformer.from_pretrained(path, device=args.device, dtype=dtype)
-    model.eval()
+    model.eval().set_backend(args.backend)
     tok = load_tokenizer(path)
-    ids = encode_prompt(tok, args.prompt)
-    ctx = model.config.max_seq_len
-    if len(ids) > ctx:
-        raise SystemExit(f"error: the prompt is {len(ids)} tokens, longer than the model's context of {ctx}")
-    if len(ids) + args.max_new_tokens > ctx:
-        raise SystemExit(f"error: {len(ids)} prompt tokens + {args.max_new_tokens} new tokens exceed the "
-                         f"context of {ctx}; lower --max-new-tokens to {ctx - len(ids)} or less")
+    prompts = [q for q in (args.prompt or ["ROMEO:"]) for _ in range(args.num_samples)]
+    rows = [encode_prompt(tok, q) for q in prompts]
+    ctx, longest = model.config.max_seq_len, max(len(r) for r in rows)
+    if longest > ctx:
+        raise SystemExit(f"error: the prompt is {longest} tokens, longer than the model's context of {ctx}")
+    if longest + args.max_new_tokens > ctx:
+        raise SystemExit(f"error: {longest} prompt tokens + {args.max_new_tokens} new tokens exceed the "
+                         f"context of {ctx}; lower --max-new-tokens to {ctx - longest} or less")
+    # One batch: prompts right-padded to the longest; each row decodes from its own length.
+    idx = torch.tensor([r + [0] * (longest - len(r)) for r in rows], device=args.device)
+    lengths = None if len({len(r) for r in rows}) == 1 else [len(r) for r in rows]
 
-    widths = []  # per generated token: the width of the forward pass that produced it
+    widths = []  # per generated token: the width of the forward pass that produced it (kept on device)
     on_token = None
     if wcfg is not None:
-        on_token = lambda i, token: widths.append({k: v[:, -1].float().cpu() for k, v in
+        on_token = lambda i, token: widths.append({k: v[:, -1].float() for k, v in
                                                    wide.last_width(model, wcfg).items()})
-    idx = torch.tensor([ids] * args.num_samples, device=args.device)
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
-    sync(args.device)
-    t0 = time.perf_counter()
-    out = generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, gen, on_token)
-    sync(args.device)
-    dt = time.perf_counter() - t0
+    timing = {}
+    t0 = clock(args.device)
+    out = generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, gen, on_token,
+                   lengths=lengths, timings=timing)
+    dt = clock(args.device) - t0
+    widths = [{k: v.cpu() for k, v in w.items()} for w in widths]
 
     print(f"checkpoint: {path}" + (f" ({wcfg.method}, target {wcfg.target:g}, stage {wcfg.stage})" if wcfg else ""))
     if args.show_width:
         print(width_legend())
     for b, row in enumerate(out.tolist()):
-        prompt_text = "" if args.prompt == "" else tok.decode(row[:len(ids)])
+        n_prompt = len(rows[b])
+        prompt_text = "" if prompts[b] == "" else tok.decode(row[:n_prompt])
+        new = row[n_prompt:n_prompt + args.max_new_tokens]
         if args.show_width:
-            pieces = [colour_for(prunable_share(model, w, b)) + tok.decode([t]) + RESET
-                      for t, w in zip(row[len(ids):], widths)]
+            pieces = [colour_for(prunable_share(model, w, b)) + tok.decode([t]) + RESET for t, w in zip(new, widths)]
             print(prompt_text + "".join(pieces))
         else:
-            print(prompt_text + tok.decode(row[len(ids):]))
+            print(prompt_text + tok.decode(new))
         print("-" * 60)
-    n = args.max_new_tokens * args.num_samples
-    print(f"{n} tokens in {dt:.2f}s: {n / dt:.1f} tokens/s (batch {args.num_samples}, {args.device})")
+    n = args.max_new_tokens * len(rows)
+    engine = f"{args.device}, backend {model.backend}" + (", CUDA graph" if args.device.startswith("cuda") else "")
+    print(f"{n} tokens in {dt:.2f}s: {n / dt:.1f} tokens/s (batch {len(rows)}, {engine})")
     if wcfg is not None:
         mean = {k: torch.stack([w[k] for w in widths]).mean().item() for k in widths[0]}
         if wcfg.method == "wide":
@@ -204,6 +292,39 @@ def main(argv=None):
         else:
             print(f"realized layer skipping over generated tokens: {1 - mean['layer']:.1%} "
                   f"(target {wcfg.target:g}); executed linear FLOPs {mean['flops']:.1%} of dense")
+    if args.compare_dense:
+        speed = {}
+        for name in ("WIDE", "dense"):
+            saved = routers_off(model) if name == "dense" else None
+            try:  # a short warm-up first (Triton compiles, cuBLAS picks kernels), then the timed run
+                generate(model, idx, min(4, args.max_new_tokens), lengths=lengths)
+                t = {}
+                generate(model, idx, args.max_new_tokens, args.temperature, args.top_k,
+                         torch.Generator(device=args.device).manual_seed(args.seed), lengths=lengths, timings=t)
+                speed[name] = t
+            finally:
+                if saved:
+                    routers_on(model, saved)
+        for name, t in speed.items():
+            label = "dense (routers off, same engine)" if name == "dense" else f"WIDE ({args.method})"
+            print(f"{label}: decode {t['decode_tokens'] / max(t['decode_s'], 1e-9):.1f} tokens/s, "
+                  f"prefill {t['prefill_s'] * 1e3:.1f} ms")
+        w, d = (speed[k]["decode_tokens"] / max(speed[k]["decode_s"], 1e-9) for k in ("WIDE", "dense"))
+        print(f"WIDE / dense decode speed: {w / d:.2f}x "
+              f"(prefill {speed['dense']['prefill_s'] / max(speed['WIDE']['prefill_s'], 1e-9):.2f}x)")
+
+
+def routers_off(model):
+    """Remove every router (the dense model, same weights, same engine); returns them for routers_on."""
+    saved = [(l.attn_router, l.ffn_router, l.layer_router) for l in model.layers]
+    for l in model.layers:
+        l.attn_router = l.ffn_router = l.layer_router = None
+    return saved
+
+
+def routers_on(model, saved):
+    for l, (a, f, g) in zip(model.layers, saved):
+        l.attn_router, l.ffn_router, l.layer_router = a, f, g
 
 
 def prunable_share(model, w, b):
