@@ -746,7 +746,10 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, backend="auto"):
     assert H % G == 0 and H % Hkv == 0, "head_mask must be [B, G] with G | H"
     assert D >= 16 and D == triton.next_power_of_2(D), "head dim must be a power of two >= 16"
     cfg = CONFIGS["attn_decode"]
-    split = cfg["SPLIT"]
+    # Shorter splits when B * Hkv is small, so that the grid still fills the GPU (batch 1 has only
+    # Hkv programs per split); B * Hkv * L large enough keeps the tuned SPLIT.
+    split = max(cfg["BN"], min(cfg["SPLIT"], triton.next_power_of_2(
+        triton.cdiv(L * B * Hkv, 2 * _num_sms(q.device)))))
     ns = triton.cdiv(L, split)
     hm = head_mask.contiguous().view(torch.uint8)
     kv_len = kv_len.to(device=q.device, dtype=torch.int32)
