@@ -296,8 +296,8 @@ def main(argv=None):
         speed = {}
         for name in ("WIDE", "dense"):
             saved = routers_off(model) if name == "dense" else None
-            try:  # a short warm-up first (Triton compiles, cuBLAS picks kernels), then the timed run
-                generate(model, idx, min(4, args.max_new_tokens), lengths=lengths)
+            try:  # the same run twice: the first compiles (Triton, cuDNN plans for these strides); time the second
+                generate(model, idx, args.max_new_tokens, lengths=lengths)
                 t = {}
                 generate(model, idx, args.max_new_tokens, args.temperature, args.top_k,
                          torch.Generator(device=args.device).manual_seed(args.seed), lengths=lengths, timings=t)

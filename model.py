@@ -272,7 +272,7 @@ class FeedForward(nn.Module):
             a = kernels.gemm_mn(x2, wg, lay, gs, w_up=wu)
         else:
             a = F.silu(F.linear(x2, wg)) * F.linear(x2, wu)
-            a = a * mask.repeat_interleave(gs, dim=-1).to(a.dtype)
+            a = (a.view(M, -1, gs) * mask[..., None]).view(M, -1)  # zero the pruned channel groups
         if sparse_linear(M, "k"):
             return kernels.gemm_k(a, wd, mask, gs).view(B, T, D)
         return F.linear(a, wd).view(B, T, D)  # exact: the pruned channels of `a` are zero

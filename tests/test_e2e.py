@@ -7,6 +7,7 @@ tokens at batch 1 and for a batch of prompts of different lengths. With a GPU th
 (fp32), and the GPU tests add CUDA graphs and bf16; they skip without CUDA.
 Speed lives in `python bench.py e2e`, never here.
 """
+import copy
 import os
 import subprocess
 import sys
@@ -28,7 +29,7 @@ ALL_SPARSE = dict(SPARSE_DECODE_MAX_TOKENS=64, SPARSE_PREFILL_MIN_TOKENS=1)
 ALL_DENSE_LINEARS = dict(SPARSE_DECODE_MAX_TOKENS=0, SPARSE_PREFILL_MIN_TOKENS=10 ** 9)
 
 
-def wide_model(device=DEV, dtype=torch.float32, seed=0, routers=True):
+def wide_model(device=DEV, dtype=torch.float32, seed=0, routers=True, std=0.3):
     """Tiny, but shaped as the kernels need: head_dim 16, groups of 2 heads (one KV head) and of 32
     channels. Large weights give clear argmax margins; random routers skip about half the groups."""
     torch.manual_seed(seed)
@@ -38,7 +39,7 @@ def wide_model(device=DEV, dtype=torch.float32, seed=0, routers=True):
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 2:
-                p.normal_(0, 0.3)
+                p.normal_(0, std)
     if routers:
         wide.install_routers(m, wide.WideConfig(ffn_group_size=32))
     m = m.to(device)
@@ -249,30 +250,32 @@ def test_gpu_cuda_graph_decode_equals_eager_decode():
 @GPU
 @pytest.mark.parametrize("policy", [{}, ALL_SPARSE])
 def test_gpu_bf16_logits_within_1e_2_of_the_reference(monkeypatch, policy):
-    # bf16 rounding differs between the backends, so a router logit near a tie may decide differently;
-    # to compare the kernels' arithmetic, the reference replays the masks the Triton run took.
+    # The reference is the same checkpoint in fp32 (bf16 itself is ~1e-2 from it, whichever backend).
+    # Rounding may tip a router logit near a tie, so the reference replays the masks the bf16 run took.
     set_policy(monkeypatch, policy)
-    m = wide_model("cuda", torch.bfloat16)
+    m = wide_model("cuda", torch.bfloat16, std=0.08)
     idx = torch.randint(0, 96, (4, 64), generator=torch.Generator().manual_seed(8)).cuda()
-    routers = [r for l in m.layers for r in (l.attn_router, l.ffn_router)]
-    seen = [[] for _ in routers]
 
-    def steps(record):
-        m.setup_caches(4, 72)
+    def steps(model, record=None):
+        model.setup_caches(4, 72)
         out = []
-        for i in range(5):
+        for i in range(5):  # a prefill, then four decode steps
             tokens, pos = (idx, torch.arange(64)) if i == 0 else (idx[:, i:i + 1], torch.tensor([63 + i]))
-            out.append(m(tokens, input_pos=pos.cuda()))
-            for s, r in zip(seen, routers) if record else ():
-                s.append(r.keep.clone())
-        m.clear_caches()
+            out.append(model(tokens, input_pos=pos.cuda()))
+            for rec, l in zip(record or (), model.layers):
+                rec.append((l.attn_router.keep.clone(), l.ffn_router.keep.clone()))
+        model.clear_caches()
         return torch.cat(out, 1)
 
+    seen = [[] for _ in m.layers]
     with torch.no_grad():
-        m.set_backend("triton")
-        out = steps(record=True)
-        for l in m.layers:
-            l.attn_router, l.ffn_router = Replay(seen.pop(0)), Replay(seen.pop(0))
-        m.set_backend("torch")
-        ref = steps(record=False)
-    assert rel_err(out, ref) <= 1e-2, f"bf16 logits rel err {rel_err(out, ref):.2e}"
+        got = {}
+        for backend in ("triton", "torch"):
+            m.set_backend(backend)
+            got[backend] = steps(m, seen if backend == "triton" else None)
+        ref_model = copy.deepcopy(m).float().set_backend("torch")
+        for l, rec in zip(ref_model.layers, seen):
+            l.attn_router, l.ffn_router = Replay([a for a, _ in rec]), Replay([f for _, f in rec])
+        ref = steps(ref_model)
+    err, torch_err = rel_err(got["triton"], ref), rel_err(got["torch"], ref)
+    assert err <= 1e-2, f"bf16 Triton logits rel err {err:.2e} vs fp32 (bf16 torch backend: {torch_err:.2e})"
