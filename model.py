@@ -558,9 +558,10 @@ def sparse_linear(M, kind):
 
 
 def n_groups(router):
-    if router is None:
-        return 0
-    return getattr(router, "n_groups", None) or getattr(router, "keep_groups", torch.ones(1)).shape[-1]
+    """How many groups a router decides over (wide.Router, wide.FixedMask); 0 without a router."""
+    if hasattr(router, "n_groups"):
+        return router.n_groups
+    return router.keep_groups.shape[-1] if hasattr(router, "keep_groups") else 0
 
 
 class TritonStep(NamedTuple):
