@@ -28,6 +28,7 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SMALL_M = 16  # at most this many tokens: the decode (GEMV) paths, no layout needed
+LONG_K = 8192  # decode gemm_k with at least this reduction length splits its groups over programs
 
 # Block sizes. Hand-picked on an H200 (bench.py tune); the interpreter gets tiny fixed ones.
 CONFIGS = {
@@ -38,16 +39,21 @@ CONFIGS = {
     "gemv_mn": dict(BN=16, BK=256, num_warps=4, num_stages=1, programs_per_sm=2),
     "gemm_k": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
     "gemm_k_small": dict(BM=16, BN=16, BK=128, num_warps=4, num_stages=6),
+    # Decode with a long reduction (the down projection, K >= 8192): split each tile's live groups
+    # over 4 programs so more weight bytes are in flight (one token: 32 -> 23 us at 50%, H200).
+    "gemm_k_small_long_k": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=4),
     "gemm_k_atomic": dict(BN=128, BK=64, num_warps=8, num_stages=3),
     "attn_prefill": dict(BM=128, BN=64, num_warps=8, num_stages=3),
     "attn_decode": dict(BN=128, SPLIT=2048, num_warps=8, num_stages=2),
 }
 if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per element
+    LONG_K = 64  # so the small test shapes exercise both decode gemm_k variants
     CONFIGS.update({
         "block_m": 16,
         "gemm_mn": dict(BN=32, BK=32), "gemm_mn_fused": dict(BN=32, BK=32),
         "gemv_mn": dict(BN=16, BK=32, programs_per_sm=1), "gemv_mn_1": dict(BN=8, BK=32, programs_per_sm=1),
         "gemm_k": dict(BM=16, BN=32, BK=16), "gemm_k_small": dict(BM=16, BN=32, BK=16),
+        "gemm_k_small_long_k": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_atomic": dict(BN=32, BK=16),
         "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, SPLIT=32),
     })
@@ -407,7 +413,7 @@ def _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
 @triton.jit
 def _gemm_k_kernel(a, w, out, mask, live_list, M, N, K, G, sam, swn, som,
                    GS: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+                   BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
     """out[t, n] = sum over the groups g that token t runs of a[t, g-slice] . w[n, g-slice].
 
     Grid (cdiv(M,BM) * cdiv(N,BN),), L2-grouped. Tokens stay in their original order, so the
@@ -415,7 +421,10 @@ def _gemm_k_kernel(a, w, out, mask, live_list, M, N, K, G, sam, swn, som,
     the result is deterministic (fixed summation order). The K loop visits only the groups that
     some token of the tile runs (block skip: other groups' weights are never read); inside, the
     a-rows of inactive tokens are predicated off (intra-block skip: pruned slots are never read,
-    so garbage there is harmless). With M <= 16 this is the decode GEMV. Twin: gemm_k_ref.
+    so garbage there is harmless). With M <= 16 this is the decode GEMV; there a tile has too few
+    rows to keep the memory system busy, so SPLIT > 1 programs (grid axis 1) share a tile's live
+    groups, each writing an fp32 partial [SPLIT, M, N] that the host sums in a fixed order (still
+    deterministic). Twin: gemm_k_ref.
     """
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
@@ -432,21 +441,24 @@ def _gemm_k_kernel(a, w, out, mask, live_list, M, N, K, G, sam, swn, som,
     live = (tl.max(bits, 0) > 0).to(tl.int32)  # groups that some token of this tile runs
     n_live = tl.sum(live, 0)
     STEPS: tl.constexpr = GS // BK
+    split = tl.program_id(1)
     acc = tl.zeros([BM, BN], tl.float32)
     if n_live == G:  # every group is live (the usual case at random masks): plain K loop
-        for it in range(0, G * STEPS):
+        per = tl.cdiv(G, SPLIT)
+        for it in range(split * per * STEPS, tl.minimum(split * per + per, G) * STEPS):
             acc = _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G,
                                sam, swn, GS, BK, IEEE)
     else:
         # Compact the live groups once into this program's scratch row; dead groups are never
         # visited (block skip), so their weight columns are never read.
-        lst = live_list + pid * GP
+        lst = live_list + (pid * SPLIT + split) * GP
         tl.store(lst + tl.cumsum(live, 0) - 1, gg, mask=live > 0)
         tl.debug_barrier()
-        for it in range(0, n_live * STEPS):
+        per = tl.cdiv(n_live, SPLIT)
+        for it in range(split * per * STEPS, tl.minimum(split * per + per, n_live) * STEPS):
             acc = _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
                                it % STEPS, G, sam, swn, GS, BK, IEEE)
-    tl.store(out + rows[:, None] * som + cols[None, :], acc.to(out.dtype.element_ty),
+    tl.store(out + split * M * N + rows[:, None] * som + cols[None, :], acc.to(out.dtype.element_ty),
              mask=rok[:, None] & cok[None, :])
 
 
@@ -518,17 +530,20 @@ def gemm_k(a, w, mask_or_layout, group_size, backend="auto", method="tile"):
                                     IEEE=ieee, **_launch(cfg))
         return out32.to(a.dtype)
     assert method in ("tile", "atomic"), "method must be 'tile' or 'atomic'"
-    cfg = CONFIGS["gemm_k_small" if M <= SMALL_M else "gemm_k"]
-    out = _empty((M, N), a.dtype, a.device)
+    small = "gemm_k_small_long_k" if K >= LONG_K else "gemm_k_small"
+    cfg = CONFIGS[small if M <= SMALL_M else "gemm_k"]
+    split = cfg.get("SPLIT", 1)
+    # With SPLIT > 1 the programs write fp32 partials over the live groups, summed below.
+    out = _empty((M, N), a.dtype, a.device) if split == 1 else _empty((split, M, N), torch.float32, a.device)
     m = _flat_mask(mask_or_layout).view(torch.uint8)
-    grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+    grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]), split)
     GP = max(2, triton.next_power_of_2(G))
-    live_list = _empty((grid[0], GP), torch.int32, a.device)
-    _gemm_k_kernel[grid](a, w, out, m, live_list, M, N, K, G, a.stride(0), w.stride(0), out.stride(0),
+    live_list = _empty((grid[0] * split, GP), torch.int32, a.device)
+    _gemm_k_kernel[grid](a, w, out, m, live_list, M, N, K, G, a.stride(0), w.stride(0), N,
                          GS=group_size, GP=GP, BM=cfg["BM"], BN=cfg["BN"],
-                         BK=_pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, IEEE=ieee,
+                         BK=_pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, SPLIT=split, IEEE=ieee,
                          **_launch(cfg))
-    return out
+    return out if split == 1 else out.sum(0).to(a.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
