@@ -312,6 +312,10 @@ def main(argv=None):
         w, d = (speed[k]["decode_tokens"] / max(speed[k]["decode_s"], 1e-9) for k in ("WIDE", "dense"))
         print(f"WIDE / dense decode speed: {w / d:.2f}x "
               f"(prefill {speed['dense']['prefill_s'] / max(speed['WIDE']['prefill_s'], 1e-9):.2f}x)")
+        if model.backend == "torch":
+            print("note: the torch backend is the dense-masked reference (it computes every group, then "
+                  "zeroes the skipped ones), so it cannot be faster than dense; skipping becomes time "
+                  "with --backend triton on a GPU")
 
 
 def routers_off(model):
