@@ -108,6 +108,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.device = train.pick_device(args.device)
     base = os.path.join(args.out_dir, "base")
+    Transformer.config_from_dir(base)  # one clear line if there is no trained model yet
     tok = load_tokenizer(base)
     train_texts, val_texts = train.split_plays()
     x, y = train.val_windows(train.encode_plays(tok, val_texts), args.block_size)  # every held-out token

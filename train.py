@@ -628,6 +628,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.device = pick_device(args.device)
     args.base_dir = os.path.join(args.out_dir, "base")
+    for name in ("batch_size", "block_size", "base_steps", "stage1_steps", "stage2_steps", "eval_interval",
+                 "val_windows", "rank", "lora_rank"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     try:
         ModelConfig.from_name(args.preset)
         targets = [wide.WideConfig(method=args.method, target=s, attn_target=args.attn_sparsity,

@@ -205,3 +205,8 @@ def test_solve_target_finds_the_sparsity_with_the_requested_flops():
     import eval as ev
     flops = lambda s: 1.0 - 0.6 * s
     assert flops(ev.solve_target(flops, 0.7)) == pytest.approx(0.7, abs=1e-4)
+
+
+def test_non_positive_sizes_and_a_missing_model_are_one_line_errors(tmp_path):
+    assert_one_line_error(run_script("train.py", "--batch-size", "0"), "--batch-size")
+    assert_one_line_error(run_script("eval.py", "--out-dir", str(tmp_path)), "does not exist", "python train.py")
