@@ -145,7 +145,7 @@ def test_set_backend_checks_what_the_kernels_can_run():
     m = wide_model()
     assert m.set_backend("auto").backend == ("triton" if DEV == "cuda" else "torch")
     small = Transformer(ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
-                                    intermediate_size=64))  # head_dim 8: too small for the kernels
+                                    intermediate_size=64)).to(DEV)  # head_dim 8: too small for the kernels
     with pytest.raises(ValueError, match="head_dim"):
         small.set_backend("triton")
     assert small.set_backend("auto").backend == "torch"
