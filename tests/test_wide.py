@@ -653,3 +653,16 @@ def test_each_stage_restarts_the_temperature_at_5(teacher, tokenizer, tmp_path, 
     assert taus == pytest.approx([5.0, 2.75, 0.5])
     _, saved = wide.load_wide(train.run_dir(args, wcfg, 2))
     assert (saved.stage, saved.lora_rank) == (2, 4)
+
+
+def test_merged_lora_equals_unmerged_within_1e_5_at_the_usual_weight_scale():
+    # The bound, absolute: with the model's own init (std 0.02) logits are O(1), so fp32
+    # rounding of the two summation orders stays far below 1e-5.
+    torch.manual_seed(0)
+    model = Transformer(small_config())
+    wide.install_routers(model, wide_config())
+    with_lora(model)
+    idx = tokens(2, 10)
+    unmerged = model(idx)
+    wide.merge_lora(model)
+    assert_close(model(idx), unmerged, 1e-5, "logits, merged vs unmerged LoRA")
