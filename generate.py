@@ -27,6 +27,7 @@ import time
 
 import torch
 
+import engine
 import wide
 from model import CheckpointError, Transformer, load_tokenizer
 
@@ -46,21 +47,22 @@ def sample(logits, temperature, top_k, generator=None):
 
 
 @torch.no_grad()
-def prefill(model, idx, temperature, top_k, generator=None, lengths=None):
+def prefill(model, idx, temperature, top_k, generator=None, lengths=None, masks=None):
     """Run the whole prompt at positions 0..P-1; return the first new token of each row.
 
     With right-padded prompts, row b's next token comes from its last real position lengths[b] - 1;
     the padding after it cannot reach the real tokens (attention is causal)."""
-    B, P = idx.shape
+    B, P = idx.shape  # idx: [B, P]
     last = torch.full((B,), P - 1, device=idx.device) if lengths is None else lengths - 1
-    logits = model(idx, input_pos=torch.arange(P, device=idx.device), logits_at=last)
+    logits = model(idx, input_pos=torch.arange(P, device=idx.device), logits_at=last, masks=masks)
     return sample(logits[:, -1], temperature, top_k, generator)
 
 
 @torch.no_grad()
-def decode_one_token(model, token, pos, temperature, top_k, generator=None):
+def decode_one_token(model, token, pos, temperature, top_k, generator=None, masks=None):
     """One new token per sequence at position `pos` (a scalar, or one per row), attending to the cache."""
-    logits = model(token, input_pos=pos.view(1) if pos.dim() == 0 else pos.view(-1, 1))
+    # token: [B, 1]; pos: [] or [B]
+    logits = model(token, input_pos=pos.view(1) if pos.dim() == 0 else pos.view(-1, 1), masks=masks)
     return sample(logits[:, -1], temperature, top_k, generator)
 
 
@@ -74,6 +76,7 @@ class CUDAGraphDecoder:
 
     def __init__(self, model, token, pos):
         self.model, self.token, self.pos = model, token.clone(), pos.clone()
+        self.masks = {}  # the routers' decisions of a replay: static tensors the graph rewrites
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -86,7 +89,8 @@ class CUDAGraphDecoder:
 
     def forward(self):
         pos = self.pos.view(1) if self.pos.dim() == 0 else self.pos.view(-1, 1)
-        return self.model(self.token, input_pos=pos)[:, -1]
+        self.masks.clear()
+        return self.model(self.token, input_pos=pos, masks=self.masks)[:, -1]
 
     def __call__(self, token, pos):
         self.token.copy_(token)
@@ -100,8 +104,11 @@ def generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, generator=
              lengths=None, cuda_graph=None, timings=None):
     """idx [B, P] prompt ids -> [B, P + max_new_tokens].
 
+    model: the model (backend torch) or an engine.Engine over it (backend triton); see engine.select.
     lengths [B]: the prompts have different lengths, right-padded into idx; row b of the result is its
-    prompt idx[b, :lengths[b]], its new tokens, then zeros. cuda_graph: capture the decode step
+    prompt idx[b, :lengths[b]], its new tokens, then zeros. on_token(i, token, masks): called with
+    each new token [B, 1] and the routers' decisions of the forward that produced it (the prefill's
+    [B, P, G], a decode step's [B, 1, G]; see Transformer.forward). cuda_graph: capture the decode step
     (default: on a GPU). timings: a dict that receives prefill_s, decode_s and decode_tokens (the
     decode steps after the graph capture, synchronized)."""
     B, P = idx.shape
@@ -118,7 +125,8 @@ def generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, generator=
     out[:, :P] = idx if lengths is None else idx * (torch.arange(P, device=idx.device) < lengths[:, None])
     try:
         t0 = clock(idx.device)
-        token = prefill(model, idx, temperature, top_k, generator, lengths)
+        masks = {} if on_token is not None else None
+        token = prefill(model, idx, temperature, top_k, generator, lengths, masks)
         t1 = clock(idx.device)
         prefill_s, step = t1 - t0, None
         for i in range(max_new_tokens):
@@ -127,7 +135,7 @@ def generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, generator=
             else:
                 out.scatter_(1, (lengths + i)[:, None], token)
             if on_token is not None:
-                on_token(i, token)
+                on_token(i, token, masks)
             if i + 1 == max_new_tokens:
                 break
             # Every row's next token sits right after its own last one: one position for the whole
@@ -137,9 +145,10 @@ def generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, generator=
                 step = CUDAGraphDecoder(model, token, pos)
                 t1 = clock(idx.device)  # the capture is setup, not decode time
             if step is not None:
-                token = sample(step(token, pos), temperature, top_k, generator)
+                token, masks = sample(step(token, pos), temperature, top_k, generator), step.masks
             else:
-                token = decode_one_token(model, token, pos, temperature, top_k, generator)
+                masks = {} if on_token is not None else None
+                token = decode_one_token(model, token, pos, temperature, top_k, generator, masks)
         if timings is not None:
             timings.update(prefill_s=prefill_s, decode_s=clock(idx.device) - t1,
                            decode_tokens=B * (max_new_tokens - 1))
@@ -210,7 +219,7 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, default=200)
     p.add_argument("--num-samples", type=int, default=1, help="samples per prompt, generated together as one batch")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
                    help="torch: dense-masked reference; triton: kernels.py skips the pruned work; "
                         "auto: triton on a GPU")
@@ -220,10 +229,14 @@ def main(argv=None):
 
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device != "cpu" and not (args.device == "cuda" or args.device.removeprefix("cuda:").isdigit()):
+        raise SystemExit(f"error: --device {args.device!r} is not a device this script runs on; use auto, cpu or cuda")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda was asked for but no CUDA GPU is visible; use --device cpu")
     if args.temperature < 0 or args.max_new_tokens < 1 or args.num_samples < 1:
         raise SystemExit("error: --temperature must be >= 0, --max-new-tokens and --num-samples >= 1")
+    if args.top_k is not None and args.top_k < 0:
+        raise SystemExit(f"error: --top-k {args.top_k} is negative; use a positive k, or 0 to sample from all tokens")
     if args.sparsity is not None and not 0.0 <= args.sparsity < 1.0:
         raise SystemExit(f"error: --sparsity {args.sparsity} is outside [0, 1)")
 
@@ -240,7 +253,8 @@ def main(argv=None):
             raise SystemExit(f"error: --{'show-width' if args.show_width else 'compare-dense'} needs a router "
                              f"checkpoint; {path} is a dense model (add --sparsity 0.5)")
         model = Transformer.from_pretrained(path, device=args.device, dtype=dtype)
-    model.eval().set_backend(args.backend)
+    forward = engine.select(model.eval(), args.backend)  # the one backend switch
+    backend = "triton" if isinstance(forward, engine.Engine) else "torch"
     tok = load_tokenizer(path)
     prompts = [q for q in (args.prompt or ["ROMEO:"]) for _ in range(args.num_samples)]
     rows = [encode_prompt(tok, q) for q in prompts]
@@ -257,17 +271,19 @@ def main(argv=None):
     widths = []  # per generated token: the width of the forward pass that produced it (kept on device)
     on_token = None
     if wcfg is not None:
-        on_token = lambda i, token: widths.append({k: v[:, -1].float() for k, v in
-                                                   wide.last_width(model, wcfg).items()})
+        last = torch.tensor([len(r) - 1 for r in rows], device=args.device)
+        on_token = lambda i, token, masks: widths.append(token_widths(masks, model.config, wcfg, last if i == 0 else None))
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     timing = {}
     t0 = clock(args.device)
-    out = generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, gen, on_token,
+    out = generate(forward, idx, args.max_new_tokens, args.temperature, args.top_k, gen, on_token,
                    lengths=lengths, timings=timing)
     dt = clock(args.device) - t0
     widths = [{k: v.cpu() for k, v in w.items()} for w in widths]
 
     print(f"checkpoint: {path}" + (f" ({wcfg.method}, target {wcfg.target:g}, stage {wcfg.stage})" if wcfg else ""))
+    if backend == "triton":
+        print("backend triton; where each op runs:\n" + forward.policy.describe())
     if args.show_width:
         print(width_legend())
     for b, row in enumerate(out.tolist()):
@@ -281,8 +297,8 @@ def main(argv=None):
             print(prompt_text + tok.decode(new))
         print("-" * 60)
     n = args.max_new_tokens * len(rows)
-    engine = f"{args.device}, backend {model.backend}" + (", CUDA graph" if args.device.startswith("cuda") else "")
-    print(f"{n} tokens in {dt:.2f}s: {n / dt:.1f} tokens/s (batch {len(rows)}, {engine})")
+    where = f"{args.device}, backend {backend}" + (", CUDA graph" if args.device.startswith("cuda") else "")
+    print(f"{n} tokens in {dt:.2f}s: {n / dt:.1f} tokens/s (batch {len(rows)}, {where})")
     if wcfg is not None:
         mean = {k: torch.stack([w[k] for w in widths]).mean().item() for k in widths[0]}
         if wcfg.method == "wide":
@@ -297,9 +313,9 @@ def main(argv=None):
         for name in ("WIDE", "dense"):
             saved = routers_off(model) if name == "dense" else None
             try:  # the same run twice: the first compiles (Triton, cuDNN plans for these strides); time the second
-                generate(model, idx, args.max_new_tokens, lengths=lengths)
+                generate(forward, idx, args.max_new_tokens, lengths=lengths)
                 t = {}
-                generate(model, idx, args.max_new_tokens, args.temperature, args.top_k,
+                generate(forward, idx, args.max_new_tokens, args.temperature, args.top_k,
                          torch.Generator(device=args.device).manual_seed(args.seed), lengths=lengths, timings=t)
                 speed[name] = t
             finally:
@@ -312,10 +328,22 @@ def main(argv=None):
         w, d = (speed[k]["decode_tokens"] / max(speed[k]["decode_s"], 1e-9) for k in ("WIDE", "dense"))
         print(f"WIDE / dense decode speed: {w / d:.2f}x "
               f"(prefill {speed['dense']['prefill_s'] / max(speed['WIDE']['prefill_s'], 1e-9):.2f}x)")
-        if model.backend == "torch":
+        if backend == "torch":
             print("note: the torch backend is the dense-masked reference (it computes every group, then "
                   "zeroes the skipped ones), so it cannot be faster than dense; skipping becomes time "
                   "with --backend triton on a GPU")
+
+
+def token_widths(masks, cfg, wcfg, at=None):
+    """The width each row's new token was produced with: {"attn"/"ffn"/"layer": [B], "flops": [B]}.
+
+    masks: the routers' decisions of one forward (generate's on_token). A decode step has one position
+    per row; a prefill's token comes from each row's last prompt position `at` [B] (the positions after
+    it are padding for the shorter prompts of a batch, and must not count)."""
+    w = wide.last_width(masks, cfg, wcfg)  # each [B, T]
+    if at is None:
+        return {k: v[:, -1].float() for k, v in w.items()}
+    return {k: v[torch.arange(v.shape[0], device=v.device), at].float() for k, v in w.items()}
 
 
 def routers_off(model):

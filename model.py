@@ -9,9 +9,9 @@ can be multiplied by a per-token channel mask just before `down_proj`. With no m
 ordinary Llama, and it loads Hugging Face Llama checkpoints (config.json + safetensors) as they are:
 our parameter names are theirs, minus the leading "model.".
 
-Two backends run the same masks (`model.set_backend`): "torch" computes every layer dense and zeroes
-what is skipped (the reference, and the training path); "triton" runs the pruned ops through
-kernels.py so the skipped work is never done (the section "the Triton path" at the end of the file).
+This file is the reference: it computes every layer dense and zeroes what is skipped (the training
+path, and the ground truth of the tests). engine.py runs the same weights and the same masks through
+Triton kernels that never do the skipped work; model.py itself needs no Triton.
 """
 import copy
 import json
@@ -19,15 +19,10 @@ import math
 import os
 import shutil
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import triton
-import triton.language as tl
-
-import kernels
 
 
 class CheckpointError(ValueError):
@@ -63,7 +58,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf):
-        """Build from a Hugging Face Llama config.json dict."""
+        """Build from a Hugging Face Llama config.json dict; anything that is not a Llama is refused."""
+        kind = hf.get("model_type", "llama")
+        if kind != "llama":
+            raise CheckpointError(f"config.json says model_type {kind!r}: only Llama checkpoints load here")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"config.json asks for hidden_act {hf['hidden_act']!r}; a Llama FFN uses silu")
+        if hf.get("sliding_window") and hf.get("use_sliding_window", True):
+            raise CheckpointError("config.json asks for sliding-window attention, which this Llama model does not do")
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise CheckpointError("config.json asks for attention/MLP biases, which this Llama model does not have")
         # Newer transformers keep rope settings under "rope_parameters"; older ones at the top level.
@@ -203,43 +205,6 @@ class Attention(nn.Module):
             y = y * head_mask.repeat_interleave(group, dim=-1).transpose(1, 2).unsqueeze(-1).to(y.dtype)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
-    def forward_triton(self, x, step, head_mask):
-        """The same attention through kernels.py; head_mask is bool [B, T, G] or None (dense)."""
-        B, T, _ = x.shape
-        M, H, Hkv, d = B * T, self.n_heads, self.n_kv_heads, self.head_dim
-        x2 = x.reshape(M, -1)
-        if head_mask is not None:
-            mask, gs = head_mask.reshape(M, -1), H // head_mask.shape[-1] * d
-            # The layout (mask reordering), built once per router decision: Q proj and attention share it.
-            lay = kernels.layout(head_mask) if not step.decode else mask
-        if head_mask is not None and sparse_linear(M, "mn"):
-            # Q proj, active groups only; pruned slots stay unwritten (attention never reads them).
-            q = kernels.gemm_mn(x2, self.q_proj.weight, lay, gs, zero_pruned=False)
-        else:
-            q = F.linear(x2, self.q_proj.weight)
-        k, v = F.linear(x2, self.k_proj.weight), F.linear(x2, self.v_proj.weight)
-        if self.kv_cache is not None:  # K/V are never pruned: the static cache stays complete
-            kc, vc = self.kv_cache.k_cache, self.kv_cache.v_cache
-        else:
-            kc, vc = (torch.empty(B, Hkv, T, d, dtype=x.dtype, device=x.device) for _ in range(2))
-        q = rope_and_store(q, k, v, step, kc, vc, H, Hkv, d).view(B, T, H, d).transpose(1, 2)
-        if step.decode and head_mask is not None:
-            # Skips the K/V reads of the KV heads whose groups this token does not run.
-            y = kernels.attention_decode(q, kc, vc, mask, step.kv_len)
-        elif step.decode and DENSE_DECODE_ATTENTION == "sdpa":
-            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=step.visible, enable_gqa=Hkv != H)
-        elif step.decode:
-            y = kernels.attention_decode(q, kc, vc, step.all_heads, step.kv_len)
-        elif head_mask is not None:
-            y = kernels.attention_prefill(q, kc[:, :, :T], vc[:, :, :T], lay)
-        else:
-            y = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], is_causal=True,
-                                               enable_gqa=Hkv != H)
-        y = y.transpose(1, 2).reshape(M, H * d)  # pruned heads are exact zeros here
-        if head_mask is not None and sparse_linear(M, "k"):
-            return kernels.gemm_k(y, self.o_proj.weight, mask, gs).view(B, T, -1)
-        return F.linear(y, self.o_proj.weight).view(B, T, -1)
-
 
 class FeedForward(nn.Module):
     def __init__(self, cfg):
@@ -257,26 +222,6 @@ class FeedForward(nn.Module):
             a = a * channel_mask.repeat_interleave(group, dim=-1).to(a.dtype)
         return self.down_proj(a)
 
-    def forward_triton(self, x, channel_mask):
-        """The same FFN through kernels.py; channel_mask is bool [B, T, G] or None (dense)."""
-        B, T, D = x.shape
-        M = B * T
-        x2 = x.reshape(M, D)
-        wg, wu, wd = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
-        if channel_mask is None:
-            return F.linear(F.silu(F.linear(x2, wg)) * F.linear(x2, wu), wd).view(B, T, D)
-        mask, gs = channel_mask.reshape(M, -1), wg.shape[0] // channel_mask.shape[-1]
-        if sparse_linear(M, "mn"):
-            # gate+up fused, active channel groups only, silu(gate)*up in the epilogue, pruned slots 0.
-            lay = kernels.layout(channel_mask) if M > kernels.SMALL_M else mask
-            a = kernels.gemm_mn(x2, wg, lay, gs, w_up=wu)
-        else:
-            a = F.silu(F.linear(x2, wg)) * F.linear(x2, wu)
-            a = (a.view(M, -1, gs) * mask[..., None]).view(M, -1)  # zero the pruned channel groups
-        if sparse_linear(M, "k"):
-            return kernels.gemm_k(a, wd, mask, gs).view(B, T, D)
-        return F.linear(a, wd).view(B, T, D)  # exact: the pruned channels of `a` are zero
-
 
 class Block(nn.Module):
     def __init__(self, cfg):
@@ -291,7 +236,7 @@ class Block(nn.Module):
         self.ffn_router = None    # -> channel_mask [B, T, G_ffn]
         self.layer_router = None  # -> [B, T, 1] gate on both residual branches (layer-skip baseline)
 
-    def forward(self, x, cos, sin, attn_mask, input_pos):
+    def forward(self, x, cos, sin, attn_mask, input_pos, masks=None):
         # Routers read the residual *before* the RMSNorm: the attention router sees the layer input,
         # the FFN router the residual after attention (as in the paper's code).
         head_mask = self.attn_router(x) if self.attn_router is not None else None
@@ -300,25 +245,11 @@ class Block(nn.Module):
         h = x + (a if gate is None else a * gate)
         channel_mask = self.ffn_router(h) if self.ffn_router is not None else None
         f = self.mlp(self.post_attention_layernorm(h), channel_mask)
+        if masks is not None:  # the decisions, for the sparsity bookkeeping (wide.skip_rates)
+            for kind, m in (("attn", head_mask), ("ffn", channel_mask), ("layer", gate)):
+                if m is not None:
+                    masks.setdefault(kind, []).append(m)
         return h + (f if gate is None else f * gate)
-
-    def triton_ready(self):
-        """Can the Triton path run this layer? (kernels.py: head_dim a power of two >= 16, groups of
-        channels a multiple of 16; plain Linear layers; layer-skip and TEAL run the reference path)"""
-        a, f = self.self_attn, self.mlp
-        plain = all(type(m) is nn.Linear for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj,
-                                                    f.gate_proj, f.up_proj, f.down_proj))
-        d, n_attn, n_ffn = a.head_dim, n_groups(self.attn_router), n_groups(self.ffn_router)
-        return (plain and self.layer_router is None and d >= 16 and d & (d - 1) == 0
-                and a.n_heads % max(n_attn, 1) == 0 and (f.gate_proj.out_features // max(n_ffn, 1)) % 16 == 0)
-
-    def forward_triton(self, x, step):
-        """This layer with the pruned ops in kernels.py, the residual add fused into the second norm."""
-        head_mask = route(self.attn_router, x)
-        a = self.self_attn.forward_triton(rms_norm(x, self.input_layernorm), step, head_mask)
-        h, n = rms_norm(a, self.post_attention_layernorm, residual=x)  # h = x + a
-        channel_mask = route(self.ffn_router, h)
-        return h + self.mlp.forward_triton(n, channel_mask)
 
 
 class Transformer(nn.Module):
@@ -331,7 +262,6 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self.causal_mask = None  # built by setup_caches: row p says which cache slots position p may see
-        self.backend = "torch"   # see set_backend
         self.apply(self._init_weights)
 
     def _init_weights(self, m):
@@ -350,31 +280,18 @@ class Transformer(nn.Module):
                                                dtype or p.dtype, p.device)
         self.causal_mask = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=p.device).tril()
 
-    def set_backend(self, backend):
-        """"torch": dense compute, skipped heads/channels zeroed (the reference and training path).
-        "triton": inference (no_grad, eval) runs the pruned ops through kernels.py and skips their work.
-        "auto": triton on a CUDA model whose shapes the kernels take, else torch."""
-        if backend not in ("torch", "triton", "auto"):
-            raise ValueError(f"backend must be torch, triton or auto, got {backend!r}")
-        p = self.embed_tokens.weight
-        ready = all(layer.triton_ready() for layer in self.layers)
-        if backend == "auto":
-            backend = "triton" if p.is_cuda and ready else "torch"
-        elif backend == "triton" and not (p.is_cuda or kernels.INTERPRET):
-            raise ValueError("backend triton needs the model on a CUDA GPU (or TRITON_INTERPRET=1 on CPU)")
-        elif backend == "triton" and not ready:
-            raise ValueError("backend triton needs a head_dim that is a power of two >= 16, plain Linear "
-                             "layers, no layer-skip router, and group sizes (channels) that are multiples of 16; "
-                             "use --backend torch")
-        self.backend = backend
-        return self
-
     def clear_caches(self):
         for layer in self.layers:
             layer.self_attn.kv_cache = None
         self.causal_mask = None
 
-    def forward(self, idx, targets=None, input_pos=None, logits_at=None):
+    def rope(self, pos):
+        """cos, sin [..., head_dim] of the rotary embedding at integer positions pos [...]."""
+        angles = pos[..., None].float() * self.inv_freq
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+    def forward(self, idx, targets=None, input_pos=None, logits_at=None, masks=None):
         """idx [B, T] -> logits [B, T, vocab]; with targets also the mean cross-entropy (-100 = ignore).
 
         Without `input_pos` this is a plain causal forward over the T tokens (training, evaluation).
@@ -383,32 +300,29 @@ class Transformer(nn.Module):
         `input_pos` may also be [B, T], one row of positions per sequence: batched prompts of different
         lengths decode at different positions. `logits_at` [B] keeps only the logits at that position
         of each row -> [B, 1, vocab] (a prefill needs just each prompt's last token).
+        `masks`: a dict to receive the routers' decisions, masks["attn"] / ["ffn"] / ["layer"] a list
+        (one entry per layer, in order) of float masks [B, T, G], 1 = the group ran (wide.skip_rates).
         """
         B, T = idx.shape
         if input_pos is None and self.causal_mask is not None:
             raise ValueError("the KV cache is set up: pass input_pos (or call clear_caches() first)")
+        if input_pos is not None and self.causal_mask is None:
+            raise ValueError("input_pos needs a KV cache: call setup_caches(batch_size) first")
         if input_pos is None and T > self.config.max_seq_len:
             raise ValueError(f"{T} tokens do not fit the context of {self.config.max_seq_len}")
         pos = torch.arange(T, device=idx.device) if input_pos is None else input_pos
-        angles = pos[..., None].float() * self.inv_freq
-        angles = torch.cat((angles, angles), dim=-1)
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = self.rope(pos)
         if pos.dim() == 2:  # per-row positions: [B, 1, T, d] broadcasts over the heads
             cos, sin = cos[:, None], sin[:, None]
             attn_mask = self.causal_mask[input_pos][:, None]
         else:
             attn_mask = None if input_pos is None else self.causal_mask[None, None, input_pos]
-        step = triton_step(self, idx, input_pos, cos, sin) if self.backend == "triton" else None
         x = self.embed_tokens(idx)
         for layer in self.layers:
-            if step is not None and layer.triton_ready():
-                x = layer.forward_triton(x, step)
-            else:
-                x = layer(x, cos, sin, attn_mask, input_pos)
+            x = layer(x, cos, sin, attn_mask, input_pos, masks)
         if logits_at is not None:
             x = x[torch.arange(B, device=x.device), logits_at][:, None]
-        x = rms_norm(x, self.norm) if step is not None else self.norm(x)
-        logits = F.linear(x, self.head_weight())
+        logits = F.linear(self.norm(x), self.head_weight())
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
@@ -450,6 +364,15 @@ class Transformer(nn.Module):
                    and not (k == "lm_head.weight" and self.lm_head is None)]
         if missing:
             raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+        # A tensor this model has no place for means a different architecture (biases, extra norms...):
+        # refuse it rather than load a model with parts silently dropped. Routers and LoRA factors are
+        # wide.py's; old HF checkpoints store RoPE's inv_freq, and tied ones sometimes a copy of the head.
+        known = set(own) | {f"model.{k}" for k in own}
+        unknown = [k for k in state if k not in known and "router" not in k and "lora_" not in k
+                   and not k.endswith("rotary_emb.inv_freq") and not (k == "lm_head.weight" and self.lm_head is None)]
+        if unknown:
+            raise CheckpointError(f"checkpoint has {len(unknown)} tensors a Llama model does not have, e.g. "
+                                  f"{unknown[0]!r}: it is not a Llama checkpoint")
         tensors = {}
         for k, ref in own.items():
             t = state.get(f"model.{k}", state.get(k))
@@ -530,207 +453,3 @@ def save_checkpoint(path, model, tokenizer=None, extra_tensors=None, extra_files
         os.replace(path, old)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------------------------------
-# the Triton path (backend "triton")
-#
-# The pruned ops go through kernels.py: routing -> layout (once per router decision) -> gemm_mn (Q;
-# gate+up) -> attention -> gemm_k (O; down). The small ops around them (RMSNorm with the residual add,
-# RoPE with the KV-cache write, the decode-time routers) are one fused kernel each below, used by WIDE
-# and by the dense model (routers off) alike, so a decode step is a short list of launches that a CUDA
-# graph replays (generate.py). Inference only: training and prefill chunks after position 0 take the
-# reference path.
-
-# Which token counts run the pruned linears through Triton; the others run cuBLAS on the masked input
-# (exact: pruned slots are zero). Decode: gemv_mn / gemm_k skip the weights of the groups that no token
-# of the step runs, but a few tokens' masks already cover nearly every group. Prefill: gemm_mn's sorted
-# tiles skip FLOPs; gemm_k does not beat cuBLAS there (results/kernels_h200.md, results/e2e_h200.md).
-SPARSE_DECODE_MAX_TOKENS = 4
-SPARSE_PREFILL_MIN_TOKENS = 1024
-# Dense decode attention: "triton" = kernels.attention_decode with every head on (it reads each row's
-# cache only up to its length); "sdpa" = scaled_dot_product_attention over the whole static cache, masked.
-DENSE_DECODE_ATTENTION = "triton"
-
-
-def sparse_linear(M, kind):
-    return M <= SPARSE_DECODE_MAX_TOKENS or (kind == "mn" and M >= SPARSE_PREFILL_MIN_TOKENS)
-
-
-def n_groups(router):
-    """How many groups a router decides over (wide.Router, wide.FixedMask); 0 without a router."""
-    if hasattr(router, "n_groups"):
-        return router.n_groups
-    return router.keep_groups.shape[-1] if hasattr(router, "keep_groups") else 0
-
-
-class TritonStep(NamedTuple):
-    decode: bool            # one token per row attending to the cache; else a prefill from position 0
-    cos: torch.Tensor       # [B*T, head_dim] per token
-    sin: torch.Tensor
-    slot: torch.Tensor      # [B*T] the cache slot of each token's K/V (its position; t without a cache)
-    kv_len: torch.Tensor    # [B] int32 cache length after this decode step (None for a prefill)
-    all_heads: torch.Tensor  # [B, 1] all True: the dense model's decode attention
-    visible: torch.Tensor   # [B, 1, 1, L] cache slots each row may see (DENSE_DECODE_ATTENTION "sdpa")
-
-
-def triton_step(model, idx, input_pos, cos, sin):
-    """What the Triton path needs for one forward, or None where it does not apply."""
-    if model.training or torch.is_grad_enabled():
-        return None  # no autograd through the kernels
-    B, T = idx.shape
-    cached = model.causal_mask is not None
-    if input_pos is None or (T > 1 and input_pos.dim() == 1 and int(input_pos[0]) == 0):
-        decode = False  # (a prefill checks its start on the host once; decode steps never sync)
-    elif T == 1 and cached:
-        decode = True
-    else:
-        return None
-    t = torch.arange(T, device=idx.device)
-    pos = (t if input_pos is None else input_pos).expand(B, T)
-    d = cos.shape[-1]
-    cos, sin = (c.reshape(-1, T, d).expand(B, T, d).reshape(B * T, d).contiguous() for c in (cos, sin))
-    slot = (pos if cached else t.expand(B, T)).reshape(B * T).contiguous()
-    kv_len = (pos[:, 0] + 1).to(torch.int32) if decode else None
-    all_heads = torch.ones(B, 1, dtype=torch.bool, device=idx.device)
-    visible = None
-    if decode and DENSE_DECODE_ATTENTION == "sdpa":
-        L = model.causal_mask.shape[0]
-        visible = (torch.arange(L, device=idx.device) < kv_len[:, None])[:, None, None]
-    return TritonStep(decode, cos, sin, slot, kv_len, all_heads, visible)
-
-
-def route(router, x):
-    """The router's decision as a bool mask [B, T, G] (True = the group runs), or None (dense).
-
-    Decode-sized steps of a wide.Router run as two fused kernels (the same fp32 arithmetic and the same
-    rule: skip iff z_skip > z_exec); anything else calls the router module itself."""
-    if router is None:
-        return None
-    B, T, D = x.shape
-    M = B * T
-    down, up = getattr(router, "down", None), getattr(router, "up", None)
-    if down is None or up is None or router.training or M > 64 or down.weight.dtype != torch.float32:
-        return router(x) > 0.5  # at inference keep is exactly 0 or 1
-    G, R = router.n_groups, down.out_features
-    z = torch.empty(M, R, dtype=torch.float32, device=x.device)
-    BT = max(2, triton.next_power_of_2(M))
-    RB = triton.next_power_of_2(R) if kernels.INTERPRET else 1  # the interpreter pays per program
-    _router_down_kernel[(triton.cdiv(R, RB),)](x.reshape(M, D).contiguous(), down.weight, down.bias, z, M,
-                                               D, R, BT=BT, RB=RB, BK=min(triton.next_power_of_2(D),
-                                                                           max(16, 8192 // BT)), num_warps=4)
-    keep = torch.empty(M, G, dtype=torch.bool, device=x.device)
-    keepf = torch.empty(M, G, dtype=torch.float32, device=x.device)
-    BG, TB = min(64, triton.next_power_of_2(G)), BT if kernels.INTERPRET else 1
-    _router_up_kernel[(triton.cdiv(M, TB), triton.cdiv(G, BG))](
-        z, up.weight, up.bias, keep.view(torch.uint8), keepf, M, G, R, TB=TB, RP=triton.next_power_of_2(R),
-        BG=BG, num_warps=4)
-    router.keep = keepf.view(B, T, G)  # the float mask the sparsity bookkeeping reads (wide.py)
-    return keep.view(B, T, G)
-
-
-def rms_norm(x, norm, residual=None):
-    """norm(x) in one kernel; with residual, (h, norm(h)) for h = residual + x, also in one kernel."""
-    D = x.shape[-1]
-    x2 = x.reshape(-1, D).contiguous()
-    y = torch.empty_like(x2)
-    h = torch.empty_like(x2) if residual is not None else y
-    res = residual.reshape(-1, D).contiguous() if residual is not None else x2
-    BD = triton.next_power_of_2(D)
-    _rms_norm_kernel[(x2.shape[0],)](x2, res, h, y, norm.weight, D, norm.eps, HAS_RES=residual is not None,
-                                     BD=BD, num_warps=8 if BD >= 2048 else 4)
-    return y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
-
-
-def rope_and_store(q, k, v, step, k_dst, v_dst, H, Hkv, d):
-    """RoPE on q [M, H*d] and k [M, Hkv*d]; k and v go into k_dst/v_dst [B, Hkv, L, d] at step.slot."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    M = q.shape[0]
-    q_out = torch.empty_like(q)
-    T = M // k_dst.shape[0]
-    _rope_kernel[(M,)](q, k, v, step.cos, step.sin, step.slot, q_out, k_dst, v_dst, T, H, Hkv, H * d, Hkv * d,
-                       k_dst.stride(0), k_dst.stride(1), k_dst.stride(2), HP=triton.next_power_of_2(H),
-                       HKP=triton.next_power_of_2(Hkv), HALF=d // 2, num_warps=4)
-    return q_out
-
-
-@triton.jit
-def _rms_norm_kernel(x, res, h_out, y, w, D, eps, HAS_RES: tl.constexpr, BD: tl.constexpr):
-    """One row per program: y = RMSNorm(x); with HAS_RES first h = res + x, rounded to the model
-    dtype as `x + a` is, and stored. Twin: RMSNorm.forward (fp32 statistics, same roundings)."""
-    row = tl.program_id(0).to(tl.int64) * D
-    d = tl.arange(0, BD)
-    ok = d < D
-    h = tl.load(x + row + d, mask=ok, other=0.0)
-    if HAS_RES:
-        h = (tl.load(res + row + d, mask=ok, other=0.0).to(tl.float32) + h.to(tl.float32)).to(h.dtype)
-        tl.store(h_out + row + d, h, mask=ok)
-    hf = h.to(tl.float32)
-    n = (hf * tl.rsqrt(tl.sum(hf * hf, 0) / D + eps)).to(h.dtype)
-    wt = tl.load(w + d, mask=ok, other=0.0)
-    tl.store(y + row + d, (wt.to(tl.float32) * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _rotate(src, dst, ok, c1, c2, s1, s2, HALF: tl.constexpr):
-    # apply_rope's "rotate half" in fp32: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), rounded once.
-    x1 = tl.load(src, mask=ok, other=0.0)
-    x2 = tl.load(src + HALF, mask=ok, other=0.0)
-    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(dst, (a1 * c1 + (-a2) * s1).to(x1.dtype).to(dst.dtype.element_ty), mask=ok)
-    tl.store(dst + HALF, (a2 * c2 + a1 * s2).to(x1.dtype).to(dst.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _rope_kernel(q, k, v, cos, sin, slot, q_out, k_dst, v_dst, T, H, HKV, sq, sk, sdb, sdh, sdt,
-                 HP: tl.constexpr, HKP: tl.constexpr, HALF: tl.constexpr):
-    """RoPE for every head of one token. Grid (B*T,): the query heads go to q_out; the key heads, and
-    the value heads as they are, straight into the KV cache at the token's slot (K/V are never pruned:
-    the cache stays dense). Twin: apply_rope + KVCache.update."""
-    m = tl.program_id(0)
-    i = tl.arange(0, HALF)[None, :]
-    c1, c2 = tl.load(cos + m * 2 * HALF + i), tl.load(cos + m * 2 * HALF + HALF + i)
-    s1, s2 = tl.load(sin + m * 2 * HALF + i), tl.load(sin + m * 2 * HALF + HALF + i)
-    hq = tl.arange(0, HP)[:, None]
-    _rotate(q + m * sq + hq * 2 * HALF + i, q_out + m * sq + hq * 2 * HALF + i, hq < H, c1, c2, s1, s2, HALF)
-    hk = tl.arange(0, HKP)[:, None]
-    dst = (m // T).to(tl.int64) * sdb + hk * sdh + tl.load(slot + m) * sdt
-    _rotate(k + m * sk + hk * 2 * HALF + i, k_dst + dst + i, hk < HKV, c1, c2, s1, s2, HALF)
-    dd = tl.arange(0, 2 * HALF)[None, :]
-    vals = tl.load(v + m * sk + hk * 2 * HALF + dd, mask=hk < HKV, other=0.0)
-    tl.store(v_dst + dst + dd, vals.to(v_dst.dtype.element_ty), mask=hk < HKV)
-
-
-@triton.jit
-def _router_down_kernel(x, wd, bd, z, M, D, R, BT: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
-    """z[:, r] = x @ wd[r] + bd[r] in fp32 for the few tokens of a decode step, RB ranks per program.
-    Grid (cdiv(R, RB),). Twin: wide.Router.logits (its first Linear)."""
-    r = tl.program_id(0) * RB + tl.arange(0, RB)
-    t = tl.arange(0, BT)
-    kk = tl.arange(0, BK)
-    acc = tl.zeros([BT, RB, BK], tl.float32)
-    for k0 in range(0, D, BK):
-        ok = k0 + kk < D
-        a = tl.load(x + t[:, None] * D + k0 + kk[None, :], mask=(t < M)[:, None] & ok[None, :], other=0.0)
-        w = tl.load(wd + r[:, None] * D + k0 + kk[None, :], mask=(r < R)[:, None] & ok[None, :], other=0.0)
-        acc += a.to(tl.float32)[:, None, :] * w[None, :, :]
-    zt = tl.sum(acc, 2) + tl.load(bd + r, mask=r < R, other=0.0)[None, :]
-    tl.store(z + t[:, None] * R + r[None, :], zt, mask=(t < M)[:, None] & (r < R)[None, :])
-
-
-@triton.jit
-def _router_up_kernel(z, wu, bu, keep, keepf, M, G, R, TB: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr):
-    """The (execute, skip) logit pair of each group, then wide.Router's inference rule: skip iff
-    z_skip > z_exec (a tie executes). Grid (cdiv(M, TB), cdiv(G, BG)). Writes keep as bool and float."""
-    t = (tl.program_id(0) * TB + tl.arange(0, TB))[:, None, None]
-    g = (tl.program_id(1) * BG + tl.arange(0, BG))[None, :, None]
-    r = tl.arange(0, RP)[None, None, :]
-    zr = tl.load(z + t * R + r, mask=(t < M) & (r < R), other=0.0)
-    wm = (g < G) & (r < R)
-    z_exec = tl.sum(tl.load(wu + (2 * g) * R + r, mask=wm, other=0.0) * zr, 2)
-    z_skip = tl.sum(tl.load(wu + (2 * g + 1) * R + r, mask=wm, other=0.0) * zr, 2)
-    t, g = tl.sum(t, 2), tl.sum(g, 2)  # [TB, 1], [1, BG]
-    ok = (t < M) & (g < G)
-    on = z_skip + tl.load(bu + 2 * g + 1, mask=g < G, other=0.0) <= z_exec + tl.load(bu + 2 * g, mask=g < G, other=0.0)
-    tl.store(keep + t * G + g, on.to(tl.uint8), mask=ok)
-    tl.store(keepf + t * G + g, on.to(tl.float32), mask=ok)

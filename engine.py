@@ -1,0 +1,422 @@
+"""
+The Triton inference path: the model of model.py (and the routers of wide.py), run so that the work
+of every skipped group is never done.
+
+    x ─► route (fused router kernels) ─► head_mask ─► layout ─► gemm_mn: Q proj, live groups only
+      ─► RMSNorm (fused) ─► K/V proj (cuBLAS, never pruned) ─► RoPE + KV-cache write (fused)
+      ─► attention over live head groups (kernels_attention.py) ─► gemm_k: O proj over live groups
+      ─► residual + RMSNorm (fused) ─► route ─► channel_mask ─► gemm_mn: gate+up + SwiGLU, live groups
+      ─► gemm_k: down proj over live groups ─► residual
+
+One switch picks the path, in one place: `select(model, backend)` returns either the model itself
+(backend "torch": dense compute, skipped groups zeroed; the reference and the training path) or an
+`Engine` over the same weights (backend "triton"). In the engine every op runs its Triton kernel, on
+a GPU or under TRITON_INTERPRET=1 on the CPU, or the call fails; nothing falls back to a twin. The
+ops it deliberately hands to cuBLAS (exact, because pruned slots are zero) are named in `Policy`,
+printed by `generate.py --backend triton`.
+
+The small fused kernels of this path (RMSNorm with the residual add, RoPE with the KV-cache write,
+the decode-time router) sit at the end of this file, each after its PyTorch twin. Inference only:
+prefill from position 0 and one-token decode steps (what generate.py runs); a CUDA graph replays a
+decode step (generate.py).
+"""
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+import kernels
+from kernels import INTERPRET
+from kernels_attention import attention_decode, attention_prefill
+from model import apply_rope
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which op the engine runs where. Everything not named here always runs its Triton kernel.
+
+    Decode (a few tokens): gemm_mn / gemm_k skip the weight rows of the groups no token of the step
+    runs, but the union of a few tokens' masks already covers nearly every group, so larger steps run
+    cuBLAS on the masked input. Prefill: gemm_mn's sorted tiles skip FLOPs from about a thousand tokens
+    on; gemm_k cannot (with per-token masks no 16-token tile shares a skipped group), so O and down run
+    cuBLAS on the masked input, which is exact because the pruned slots are zero."""
+    sparse_decode_max_tokens: int = 4      # steps with at most this many tokens: Q/O/FFN through Triton
+    sparse_prefill_min_tokens: int = 1024  # prefills with at least this many tokens: Q, gate+up through Triton
+    dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
+    router_max_tokens: int = 64            # longer steps run the router module itself (two fp32 GEMMs)
+
+    def sparse(self, M, kind):
+        """Run a pruned linear over M tokens through its kernel? kind "mn" (Q, gate+up) or "k" (O, down)."""
+        return M <= self.sparse_decode_max_tokens or (kind == "mn" and M >= self.sparse_prefill_min_tokens)
+
+    def describe(self):
+        d, p = self.sparse_decode_max_tokens, self.sparse_prefill_min_tokens
+        middle = f"{d + 1}-{p - 1} tokens" if p - 1 > d else "no token count"
+        return "\n".join([
+            f"  Triton: layout, attention (prefill and decode), RMSNorm, RoPE + cache write, routers "
+            f"(<= {self.router_max_tokens} tokens);",
+            f"          Q proj and gate+up (gemm_mn) at <= {d} or >= {p} tokens; O and down (gemm_k) at <= {d} tokens",
+            f"  cuBLAS on the masked input (exact, pruned slots are zero): Q and gate+up at {middle}; "
+            f"O and down above {d} tokens (prefill)",
+            "  cuBLAS, never pruned: K/V projections, lm_head; SDPA: prefill attention with the routers off"
+            + (" and dense decode attention" if self.dense_decode_attention == "sdpa" else ""),
+        ])
+
+
+def why_not_ready(model):
+    """None if the kernels can run every layer of this model, else the reason (one line)."""
+    cfg = model.config
+    d = cfg.head_dim
+    if d < 16 or d & (d - 1):
+        return f"head_dim {d} is not a power of two >= 16"
+    for layer in model.layers:
+        a, f = layer.self_attn, layer.mlp
+        if any(type(m) is not nn.Linear for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj,
+                                                   f.gate_proj, f.up_proj, f.down_proj)):
+            return "a projection is not a plain Linear (merge LoRA first; TEAL runs the reference path)"
+        if layer.layer_router is not None:
+            return "layer-skip routers run the reference path"
+        n_ffn = n_groups(layer.ffn_router)
+        if n_ffn and (f.gate_proj.out_features // n_ffn) % 16:
+            return f"FFN groups of {f.gate_proj.out_features // n_ffn} channels are not a multiple of 16"
+    return None
+
+
+def select(model, backend="auto", policy=None):
+    """The one backend switch: "torch" -> the model itself, "triton" -> Engine(model), "auto" -> triton
+    on a CUDA model whose shapes the kernels take, else torch. Both are called as model(idx, ...)."""
+    if backend not in ("torch", "triton", "auto"):
+        raise ValueError(f"backend must be torch, triton or auto, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if model.embed_tokens.weight.is_cuda and why_not_ready(model) is None else "torch"
+    return model if backend == "torch" else Engine(model, policy)
+
+
+def n_groups(router):
+    """How many groups a router decides over (wide.Router, baselines.FixedMask); 0 without a router."""
+    if router is None:
+        return 0
+    return router.n_groups if hasattr(router, "n_groups") else router.keep_groups.shape[-1]
+
+
+class Step(NamedTuple):
+    decode: bool            # one token per row attending to the cache; else a prefill from position 0
+    cos: torch.Tensor       # [B*T, head_dim] per token
+    sin: torch.Tensor
+    slot: torch.Tensor      # [B*T] the cache slot of each token's K/V (its position; t without a cache)
+    kv_len: torch.Tensor    # [B] int32 cache length after this decode step (None for a prefill)
+    all_heads: torch.Tensor  # [B, 1] all True: the dense model's decode attention
+    visible: torch.Tensor   # [B, 1, 1, L] cache slots each row may see (dense_decode_attention "sdpa")
+
+
+class Engine:
+    """model(idx, input_pos=None, logits_at=None, masks=None) with the pruned ops in Triton kernels."""
+
+    def __init__(self, model, policy=None):
+        problem = why_not_ready(model)
+        if problem:
+            raise ValueError(f"backend triton cannot run this model: {problem}; use --backend torch")
+        if not (model.embed_tokens.weight.is_cuda or INTERPRET):
+            raise ValueError("backend triton needs the model on a CUDA GPU (or TRITON_INTERPRET=1 on a CPU); "
+                             "use --backend torch")
+        self.model, self.config, self.policy = model, model.config, policy or Policy()
+
+    def setup_caches(self, *args, **kwargs):
+        return self.model.setup_caches(*args, **kwargs)
+
+    def clear_caches(self):
+        return self.model.clear_caches()
+
+    def step(self, idx, input_pos):
+        m = self.model
+        if m.training or torch.is_grad_enabled():
+            raise RuntimeError("the Triton engine is inference only: call it under torch.no_grad() on an "
+                               "eval() model (training runs the torch backend)")
+        B, T = idx.shape
+        cached = m.causal_mask is not None
+        if input_pos is not None and not cached:
+            raise ValueError("input_pos needs a KV cache: call setup_caches(batch_size) first")
+        if input_pos is None or (T > 1 and input_pos.dim() == 1 and int(input_pos[0]) == 0):
+            decode = False  # (a prefill checks its start on the host once; decode steps never sync)
+        elif T == 1:
+            decode = True
+        else:
+            raise ValueError("the Triton engine runs prefills from position 0 and one-token decode steps; "
+                             "a chunk of several tokens after position 0 needs the torch backend")
+        pos = (torch.arange(T, device=idx.device) if input_pos is None else input_pos).expand(B, T)
+        cos, sin = m.rope(pos)                                           # [B, T, head_dim]
+        d = cos.shape[-1]
+        cos, sin = cos.reshape(B * T, d).contiguous(), sin.reshape(B * T, d).contiguous()
+        slot = (pos if cached else torch.arange(T, device=idx.device).expand(B, T)).reshape(B * T).contiguous()
+        kv_len = (pos[:, 0] + 1).to(torch.int32) if decode else None
+        all_heads = torch.ones(B, 1, dtype=torch.bool, device=idx.device)
+        visible = None
+        if decode and self.policy.dense_decode_attention == "sdpa":
+            L = m.causal_mask.shape[0]
+            visible = (torch.arange(L, device=idx.device) < kv_len[:, None])[:, None, None]
+        return Step(decode, cos, sin, slot, kv_len, all_heads, visible)
+
+    def __call__(self, idx, input_pos=None, logits_at=None, masks=None):
+        """idx [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] at logits_at), as Transformer.forward."""
+        m = self.model
+        B, T = idx.shape
+        if input_pos is None and T > self.config.max_seq_len:
+            raise ValueError(f"{T} tokens do not fit the context of {self.config.max_seq_len}")
+        step = self.step(idx, input_pos)
+        x = m.embed_tokens(idx)
+        for layer in m.layers:
+            x = self.block(layer, x, step, masks)
+        if logits_at is not None:
+            x = x[torch.arange(B, device=x.device), logits_at][:, None]
+        return F.linear(rms_norm(x, m.norm), m.head_weight())
+
+    def block(self, layer, x, step, masks):
+        """One layer; the residual add is fused into the second norm (h = x + a)."""
+        head_mask = self.route(layer.attn_router, x, masks, "attn")
+        a = self.attention(layer.self_attn, rms_norm(x, layer.input_layernorm), step, head_mask)
+        h, n = rms_norm(a, layer.post_attention_layernorm, residual=x)
+        channel_mask = self.route(layer.ffn_router, h, masks, "ffn")
+        return h + self.ffn(layer.mlp, n, channel_mask)
+
+    def route(self, router, x, masks, kind):
+        """The router's decision as a bool mask [B, T, G] (True = the group runs), or None (dense);
+        the float mask goes into `masks` as the reference forward records it."""
+        if router is None:
+            return None
+        down = getattr(router, "down", None)
+        if (isinstance(down, nn.Linear) and down.weight.dtype == torch.float32
+                and x.shape[0] * x.shape[1] <= self.policy.router_max_tokens):
+            keep, keepf = route(router, x)
+        else:
+            keepf = router(x)       # at inference exactly 0 or 1
+            keep = keepf > 0.5
+        if masks is not None:
+            masks.setdefault(kind, []).append(keepf)
+        return keep
+
+    def attention(self, attn, x, step, head_mask):
+        """Attention with head_mask bool [B, T, G] or None (dense)."""
+        B, T, _ = x.shape
+        M, H, Hkv, d = B * T, attn.n_heads, attn.n_kv_heads, attn.head_dim
+        x2 = x.reshape(M, -1)
+        sparse_mn, sparse_k = self.policy.sparse(M, "mn"), self.policy.sparse(M, "k")
+        if head_mask is not None:
+            mask, gs = head_mask.reshape(M, -1), H // head_mask.shape[-1] * d
+            # The layout (mask reordering), built once per router decision: Q proj and attention share it.
+            lay = kernels.layout(head_mask) if not step.decode else mask
+        if head_mask is not None and sparse_mn:
+            # Q proj, active groups only; pruned slots stay unwritten (attention never reads them).
+            q = kernels.gemm_mn(x2, attn.q_proj.weight, lay, gs, zero_pruned=False)
+        else:
+            q = F.linear(x2, attn.q_proj.weight)
+        k, v = F.linear(x2, attn.k_proj.weight), F.linear(x2, attn.v_proj.weight)
+        if attn.kv_cache is not None:  # K/V are never pruned: the static cache stays complete
+            kc, vc = attn.kv_cache.k_cache, attn.kv_cache.v_cache
+        else:
+            kc, vc = (torch.empty(B, Hkv, T, d, dtype=x.dtype, device=x.device) for _ in range(2))
+        q = rope_and_store(q, k, v, step, kc, vc, H, Hkv, d).view(B, T, H, d).transpose(1, 2)
+        if step.decode and head_mask is not None:
+            y = attention_decode(q, kc, vc, mask, step.kv_len)  # skips the K/V reads of idle KV heads
+        elif step.decode and self.policy.dense_decode_attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=step.visible, enable_gqa=Hkv != H)
+        elif step.decode:
+            y = attention_decode(q, kc, vc, step.all_heads, step.kv_len)
+        elif head_mask is not None:
+            y = attention_prefill(q, kc[:, :, :T], vc[:, :, :T], lay)
+        else:  # routers off: the dense baseline at its best (cuDNN / flash through SDPA)
+            y = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], is_causal=True,
+                                               enable_gqa=Hkv != H)
+        y = y.transpose(1, 2).reshape(M, H * d)  # pruned heads are exact zeros here
+        if head_mask is not None and sparse_k:
+            return kernels.gemm_k(y, attn.o_proj.weight, mask, gs).view(B, T, -1)
+        return F.linear(y, attn.o_proj.weight).view(B, T, -1)
+
+    def ffn(self, mlp, x, channel_mask):
+        """SwiGLU FFN with channel_mask bool [B, T, G] or None (dense)."""
+        B, T, D = x.shape
+        M = B * T
+        x2 = x.reshape(M, D)
+        wg, wu, wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        if channel_mask is None:
+            return F.linear(F.silu(F.linear(x2, wg)) * F.linear(x2, wu), wd).view(B, T, D)
+        mask, gs = channel_mask.reshape(M, -1), wg.shape[0] // channel_mask.shape[-1]
+        if self.policy.sparse(M, "mn"):
+            # gate+up fused, active channel groups only, silu(gate)*up in the epilogue, pruned slots 0.
+            lay = kernels.layout(channel_mask) if M > kernels.SMALL_M else mask
+            a = kernels.gemm_mn(x2, wg, lay, gs, w_up=wu)
+        else:
+            a = F.silu(F.linear(x2, wg)) * F.linear(x2, wu)
+            a = (a.view(M, -1, gs) * mask[..., None]).view(M, -1)  # zero the pruned channel groups
+        if self.policy.sparse(M, "k"):
+            return kernels.gemm_k(a, wd, mask, gs).view(B, T, D)
+        return F.linear(a, wd).view(B, T, D)  # exact: the pruned channels of `a` are zero
+
+
+# ----------------------------------------------------------------------------------------------------
+# the fused small kernels of a step, each after its twin
+
+
+def rms_norm_ref(x, norm, residual=None):
+    """Twin of rms_norm: model.RMSNorm, after h = residual + x rounded to the model dtype."""
+    if residual is None:
+        return norm(x)
+    h = residual + x
+    return h, norm(h)
+
+
+def rms_norm(x, norm, residual=None):
+    """norm(x) in one kernel; with residual, (h, norm(h)) for h = residual + x, also in one kernel."""
+    kernels.check_device(x)
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D).contiguous()
+    y = kernels._empty(x2.shape, x2.dtype, x2.device)
+    h = kernels._empty(x2.shape, x2.dtype, x2.device) if residual is not None else y
+    res = residual.reshape(-1, D).contiguous() if residual is not None else x2
+    BD = triton.next_power_of_2(D)
+    _rms_norm_kernel[(x2.shape[0],)](x2, res, h, y, norm.weight, D, norm.eps, HAS_RES=residual is not None,
+                                     BD=BD, num_warps=8 if BD >= 2048 else 4)
+    return y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
+
+
+@triton.jit
+def _rms_norm_kernel(x, res, h_out, y, w, D, eps, HAS_RES: tl.constexpr, BD: tl.constexpr):
+    """One row per program: y = RMSNorm(x); with HAS_RES first h = res + x, rounded to the model
+    dtype as `x + a` is, and stored. Grid (rows,). Skips nothing. Twin: rms_norm_ref."""
+    row = tl.program_id(0).to(tl.int64) * D
+    d = tl.arange(0, BD)
+    ok = d < D
+    h = tl.load(x + row + d, mask=ok, other=0.0)
+    if HAS_RES:
+        h = (tl.load(res + row + d, mask=ok, other=0.0).to(tl.float32) + h.to(tl.float32)).to(h.dtype)
+        tl.store(h_out + row + d, h, mask=ok)
+    hf = h.to(tl.float32)
+    n = (hf * tl.rsqrt(tl.sum(hf * hf, 0) / D + eps)).to(h.dtype)
+    wt = tl.load(w + d, mask=ok, other=0.0)
+    tl.store(y + row + d, (wt.to(tl.float32) * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
+
+
+def rope_and_store_ref(q, k, v, step, k_dst, v_dst, H, Hkv, d):
+    """Twin of rope_and_store: model.apply_rope on q and k, then k and v written at each token's slot."""
+    M = q.shape[0]
+    B = k_dst.shape[0]
+    T = M // B
+    cos, sin = step.cos.view(B, T, 1, d), step.sin.view(B, T, 1, d)
+    q = apply_rope(q.view(B, T, H, d), cos, sin).view(M, H * d)
+    k = apply_rope(k.view(B, T, Hkv, d), cos, sin)                        # [B, T, Hkv, d]
+    idx = step.slot.view(B, 1, T, 1).expand(B, Hkv, T, d)
+    k_dst.scatter_(2, idx, k.transpose(1, 2).to(k_dst.dtype))
+    v_dst.scatter_(2, idx, v.view(B, T, Hkv, d).transpose(1, 2).to(v_dst.dtype))
+    return q
+
+
+def rope_and_store(q, k, v, step, k_dst, v_dst, H, Hkv, d):
+    """RoPE on q [M, H*d] and k [M, Hkv*d]; k and v go into k_dst/v_dst [B, Hkv, L, d] at step.slot."""
+    kernels.check_device(q)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    M = q.shape[0]
+    q_out = kernels._empty(q.shape, q.dtype, q.device)
+    T = M // k_dst.shape[0]
+    _rope_kernel[(M,)](q, k, v, step.cos, step.sin, step.slot, q_out, k_dst, v_dst, T, H, Hkv, H * d, Hkv * d,
+                       k_dst.stride(0), k_dst.stride(1), k_dst.stride(2), HP=triton.next_power_of_2(H),
+                       HKP=triton.next_power_of_2(Hkv), HALF=d // 2, num_warps=4)
+    return q_out
+
+
+@triton.jit
+def _rotate(src, dst, ok, c1, c2, s1, s2, HALF: tl.constexpr):
+    # apply_rope's "rotate half" in fp32: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), rounded once.
+    x1 = tl.load(src, mask=ok, other=0.0)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0)
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(dst, (a1 * c1 + (-a2) * s1).to(x1.dtype).to(dst.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF, (a2 * c2 + a1 * s2).to(x1.dtype).to(dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_kernel(q, k, v, cos, sin, slot, q_out, k_dst, v_dst, T, H, HKV, sq, sk, sdb, sdh, sdt,
+                 HP: tl.constexpr, HKP: tl.constexpr, HALF: tl.constexpr):
+    """RoPE for every head of one token. Grid (B*T,): the query heads go to q_out; the key heads, and
+    the value heads as they are, straight into the KV cache at the token's slot (K/V are never pruned:
+    the cache stays dense). Skips nothing. Twin: rope_and_store_ref."""
+    m = tl.program_id(0)
+    i = tl.arange(0, HALF)[None, :]
+    c1, c2 = tl.load(cos + m * 2 * HALF + i), tl.load(cos + m * 2 * HALF + HALF + i)
+    s1, s2 = tl.load(sin + m * 2 * HALF + i), tl.load(sin + m * 2 * HALF + HALF + i)
+    hq = tl.arange(0, HP)[:, None]
+    _rotate(q + m * sq + hq * 2 * HALF + i, q_out + m * sq + hq * 2 * HALF + i, hq < H, c1, c2, s1, s2, HALF)
+    hk = tl.arange(0, HKP)[:, None]
+    dst = (m // T).to(tl.int64) * sdb + hk * sdh + tl.load(slot + m) * sdt
+    _rotate(k + m * sk + hk * 2 * HALF + i, k_dst + dst + i, hk < HKV, c1, c2, s1, s2, HALF)
+    dd = tl.arange(0, 2 * HALF)[None, :]
+    vals = tl.load(v + m * sk + hk * 2 * HALF + dd, mask=hk < HKV, other=0.0)
+    tl.store(v_dst + dst + dd, vals.to(v_dst.dtype.element_ty), mask=hk < HKV)
+
+
+def route_ref(router, x):
+    """Twin of route: wide.Router's inference rule (skip iff z_skip > z_exec; a tie executes)."""
+    z = router.logits(x)
+    keep = z[..., 1] <= z[..., 0]
+    return keep, keep.float()
+
+
+def route(router, x):
+    """A wide.Router's decision for the few tokens of a step, in two kernels: (bool, float) [B, T, G]."""
+    kernels.check_device(x)
+    B, T, D = x.shape
+    M = B * T
+    down, up = router.down, router.up
+    G, R = router.n_groups, down.out_features
+    z = kernels._empty((M, R), torch.float32, x.device)
+    BT = max(2, triton.next_power_of_2(M))
+    RB = triton.next_power_of_2(R) if INTERPRET else 1  # the interpreter pays per program
+    _router_down_kernel[(triton.cdiv(R, RB),)](x.reshape(M, D).contiguous(), down.weight, down.bias, z, M,
+                                               D, R, BT=BT, RB=RB, BK=min(triton.next_power_of_2(D),
+                                                                           max(16, 8192 // BT)), num_warps=4)
+    keep = kernels._empty((M, G), torch.uint8, x.device)
+    keepf = kernels._empty((M, G), torch.float32, x.device)
+    BG, TB = min(64, triton.next_power_of_2(G)), BT if INTERPRET else 1
+    _router_up_kernel[(triton.cdiv(M, TB), triton.cdiv(G, BG))](
+        z, up.weight, up.bias, keep, keepf, M, G, R, TB=TB, RP=triton.next_power_of_2(R), BG=BG, num_warps=4)
+    return keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G)
+
+
+@triton.jit
+def _router_down_kernel(x, wd, bd, z, M, D, R, BT: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
+    """z[:, r] = x @ wd[r] + bd[r] in fp32 for the few tokens of a decode step, RB ranks per program.
+    Grid (cdiv(R, RB),). Twin: route_ref (the router's first Linear)."""
+    r = tl.program_id(0) * RB + tl.arange(0, RB)
+    t = tl.arange(0, BT)
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BT, RB, BK], tl.float32)
+    for k0 in range(0, D, BK):
+        ok = k0 + kk < D
+        a = tl.load(x + t[:, None] * D + k0 + kk[None, :], mask=(t < M)[:, None] & ok[None, :], other=0.0)
+        w = tl.load(wd + r[:, None] * D + k0 + kk[None, :], mask=(r < R)[:, None] & ok[None, :], other=0.0)
+        acc += a.to(tl.float32)[:, None, :] * w[None, :, :]
+    zt = tl.sum(acc, 2) + tl.load(bd + r, mask=r < R, other=0.0)[None, :]
+    tl.store(z + t[:, None] * R + r[None, :], zt, mask=(t < M)[:, None] & (r < R)[None, :])
+
+
+@triton.jit
+def _router_up_kernel(z, wu, bu, keep, keepf, M, G, R, TB: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr):
+    """The (execute, skip) logit pair of each group, then wide.Router's inference rule: skip iff
+    z_skip > z_exec (a tie executes). Grid (cdiv(M, TB), cdiv(G, BG)). Writes keep as bool and float.
+    Twin: route_ref."""
+    t = (tl.program_id(0) * TB + tl.arange(0, TB))[:, None, None]
+    g = (tl.program_id(1) * BG + tl.arange(0, BG))[None, :, None]
+    r = tl.arange(0, RP)[None, None, :]
+    zr = tl.load(z + t * R + r, mask=(t < M) & (r < R), other=0.0)
+    wm = (g < G) & (r < R)
+    z_exec = tl.sum(tl.load(wu + (2 * g) * R + r, mask=wm, other=0.0) * zr, 2)
+    z_skip = tl.sum(tl.load(wu + (2 * g + 1) * R + r, mask=wm, other=0.0) * zr, 2)
+    t, g = tl.sum(t, 2), tl.sum(g, 2)  # [TB, 1], [1, BG]
+    ok = (t < M) & (g < G)
+    z_exec += tl.load(bu + 2 * g, mask=g < G, other=0.0)
+    z_skip += tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
+    run = z_skip <= z_exec  # the inference rule; a tie executes
+    tl.store(keep + t * G + g, run.to(tl.uint8), mask=ok)
+    tl.store(keepf + t * G + g, run.to(tl.float32), mask=ok)
