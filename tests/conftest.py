@@ -3,6 +3,7 @@ import sys
 
 # Without a GPU, Triton kernels run on the CPU through the Triton interpreter. The variable must be
 # set before triton is first imported, so it is decided here, before any test module loads.
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -29,3 +30,43 @@ def assert_close(actual, expected, atol=None, rtol=None, what="tensors"):
     if rtol is not None:
         rel = (diff.norm() / expected.double().norm().clamp_min(1e-30)).item()
         assert rel <= rtol, f"{what} differ: relative error {rel:.3g} > {rtol:g}; {report}"
+
+
+class LaunchRecorder:
+    """Records every launch of the project's Triton kernels (name -> list of grids), by wrapping the
+    `*_kernel` objects of kernels.py, kernels_attention.py and engine.py for one test. It is how the
+    CPU tests prove that the width-skipping kernels really ran, not a PyTorch twin in their place."""
+
+    def __init__(self, monkeypatch):
+        import engine
+        import kernels
+        import kernels_attention
+        self.grids = {}
+        for mod in (kernels, kernels_attention, engine):
+            for name, fn in list(vars(mod).items()):
+                if name.endswith("_kernel") and hasattr(fn, "__getitem__"):
+                    monkeypatch.setattr(mod, name, self._spy(name.strip("_"), fn))
+
+    def _spy(self, name, fn):
+        recorder = self
+
+        class Spy:
+            def __getitem__(self, grid):
+                launch = fn[grid]
+
+                def run(*args, **kwargs):
+                    recorder.grids.setdefault(name, []).append(tuple(grid))
+                    return launch(*args, **kwargs)
+                return run
+        return Spy()
+
+    def count(self, name):
+        return len(self.grids.get(name, []))
+
+    def clear(self):
+        self.grids.clear()
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    return LaunchRecorder(monkeypatch)

@@ -1,35 +1,30 @@
 """Every Triton kernel against its PyTorch twin (dense compute, then pruned slots zeroed).
 
 On CPU the kernels run in the Triton interpreter (conftest sets TRITON_INTERPRET=1): fp32, tiny
-shapes, results equal to fp32 rounding. Outputs are poisoned with NaN before each call, so a slot
-the kernel forgot to write fails the test. GPU tests (bf16, rel err <= 1e-2) skip without CUDA.
-Speed is measured in bench.py, never here.
+shapes, results equal to fp32 rounding. Under the interpreter every buffer the kernels allocate
+starts as NaN (or -1), so a slot a kernel forgot to write fails the test. GPU tests (bf16, rel err
+<= 1e-2) skip without CUDA. Speed is measured in bench_kernels.py, never here.
 """
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import kernels
+import kernels_attention
+from conftest import assert_close as _assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    # Every output/scratch buffer the kernels allocate starts as NaN (floats) or -1 (ints).
-    def poisoned(shape, dtype, device):
-        fill = float("nan") if dtype.is_floating_point else -1
-        return torch.full(shape, fill, dtype=dtype, device=device)
-    monkeypatch.setattr(kernels, "_empty", poisoned)
-
-
 def assert_close(out, ref, tol=1e-4):
-    assert out.shape == ref.shape and not torch.isnan(out).any(), "NaN: some output was not written"
-    diff = (out.float() - ref.float()).abs()
-    rel = diff.norm() / ref.float().norm().clamp_min(1e-12)
-    assert rel <= tol, f"rel err {rel:.2e} > {tol}: max diff {diff.max():.3e}, mean {diff.mean():.3e}"
+    assert not torch.isnan(out).any(), "NaN: some output slot was never written"
+    _assert_close(out, ref, rtol=tol, what="kernel output")
 
 
 def make_mask(shape, p_on, gen=None):
@@ -66,8 +61,7 @@ def check_layout(lay, mask, block_m):
 @pytest.mark.parametrize("shape", [(1, 3), (37, 5), (2, 19, 4)])
 def test_layout_permutation_is_stable_and_counts_exact(shape, p_on):
     mask = make_mask(shape, p_on, torch.Generator().manual_seed(1))
-    for backend in ("triton", "torch"):
-        lay = kernels.layout(mask, block_m=16, backend=backend)
+    for lay in (kernels.layout(mask, block_m=16), kernels.layout_ref(mask, 16)):
         check_layout(lay, mask, 16)
 
 
@@ -76,8 +70,8 @@ def run_gemm_mn(M, K, G, gs, p_on, fused, gen, as_layout=False):
     x, w = randn(M, K, gen=gen), randn(G * gs, K, gen=gen)
     w_up = randn(G * gs, K, gen=gen) if fused else None
     mask = make_mask((M, G), p_on, gen)
-    arg = kernels.layout(mask, backend="triton") if as_layout else mask
-    out = kernels.gemm_mn(x, w, arg, gs, w_up=w_up, backend="triton")
+    arg = kernels.layout(mask) if as_layout else mask
+    out = kernels.gemm_mn(x, w, arg, gs, w_up=w_up)
     ref = kernels.gemm_mn_ref(x, w, mask, gs, w_up=w_up)
     assert_close(out, ref)
     pruned = ~mask.repeat_interleave(gs, 1)
@@ -88,8 +82,8 @@ def run_gemm_k(M, N, G, gs, p_on, method, gen, as_layout=False):
     a, w = randn(M, G * gs, gen=gen), randn(N, G * gs, gen=gen)
     mask = make_mask((M, G), p_on, gen)
     a_garbage = a.masked_fill(~mask.repeat_interleave(gs, 1), float("nan"))  # pruned slots unread
-    arg = kernels.layout(mask, backend="triton") if as_layout else mask
-    out = kernels.gemm_k(a_garbage, w, arg, gs, backend="triton", method=method)
+    arg = kernels.layout(mask) if as_layout else mask
+    out = kernels.gemm_k(a_garbage, w, arg, gs, method=method)
     assert_close(out, kernels.gemm_k_ref(a, w, mask, gs))
 
 
@@ -116,6 +110,26 @@ def test_gemm_k_all_groups_on_and_off(p_on):
     run_gemm_k(21, 32, 3, 16, p_on, "tile", torch.Generator().manual_seed(3))
 
 
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_decode_sized_gemms_take_the_gemv_paths(launches, M):
+    # Up to SMALL_M tokens: gemm_mn is the persistent GEMV (one token: FMA path; more: a 16-row tile),
+    # gemm_k the no-layout tile kernel; both read the mask directly, no layout is built.
+    gen = torch.Generator().manual_seed(10 + M)
+    run_gemm_mn(M, 48, 3, 16, 0.5, True, gen)
+    run_gemm_k(M, 24, 3, 16, 0.5, "tile", gen)
+    assert launches.count("gemv_mn_kernel") == 1 and launches.count("gemm_mn_kernel") == 0
+    assert launches.count("gemm_k_kernel") == 1 and launches.count("layout_kernel") == 0
+
+
+def test_decode_gemm_k_with_a_long_reduction_splits_the_live_groups(launches):
+    # The down projection's shape class: K >= 8192 (LONG_K on a GPU) and one token. The live groups
+    # are shared out over SPLIT programs (grid axis 1) whose fp32 partials are summed in a fixed order.
+    gen = torch.Generator().manual_seed(11)
+    run_gemm_k(1, 16, 64, 128, 0.5, "tile", gen)
+    (grid,) = launches.grids["gemm_k_kernel"]
+    assert grid[1] == kernels.CONFIGS["gemm_k_small_long_k"]["SPLIT"] > 1, grid
+
+
 def test_one_layout_serves_gate_up_then_down():
     # The FFN pair: one layout; the intermediate's pruned slots are left unwritten (NaN-poisoned)
     # and gemm_k, reading only active slots, still matches the dense-masked reference.
@@ -123,11 +137,11 @@ def test_one_layout_serves_gate_up_then_down():
     M, D, G, gs = 35, 32, 4, 16
     x, wg, wu, wd = randn(M, D, gen=gen), randn(G * gs, D, gen=gen), randn(G * gs, D, gen=gen), randn(D, G * gs, gen=gen)
     mask = make_mask((M, G), 0.5, gen)
-    lay = kernels.layout(mask, backend="triton")
-    h = kernels.gemm_mn(x, wg, lay, gs, w_up=wu, backend="triton", zero_pruned=False)
+    lay = kernels.layout(mask)
+    h = kernels.gemm_mn(x, wg, lay, gs, w_up=wu, zero_pruned=False)
     assert torch.isnan(h[~mask.repeat_interleave(gs, 1)]).all(), "zero_pruned=False leaves pruned slots"
     for method in ("tile", "atomic"):
-        out = kernels.gemm_k(h, wd, lay, gs, backend="triton", method=method)
+        out = kernels.gemm_k(h, wd, lay, gs, method=method)
         ref = kernels.gemm_k_ref(kernels.gemm_mn_ref(x, wg, mask, gs, wu), wd, mask, gs)
         assert_close(out, ref)
 
@@ -138,8 +152,8 @@ def run_prefill(B, H, Hkv, T, D, G, p_on, causal, gen, lengths=None):
     mask = make_mask((B, T, G), p_on, gen)
     if lengths is not None:  # right padding: padded tokens run no group
         mask &= (torch.arange(T, device=DEV)[None, :] < torch.tensor(lengths, device=DEV)[:, None])[..., None]
-    out = kernels.attention_prefill(q, k, v, mask, causal=causal, backend="triton")
-    ref = kernels.attention_prefill_ref(q, k, v, mask, causal=causal)
+    out = kernels_attention.attention_prefill(q, k, v, mask, causal=causal)
+    ref = kernels_attention.attention_prefill_ref(q, k, v, mask, causal=causal)
     assert_close(out, ref)
     keep = mask.repeat_interleave(H // G, dim=-1).permute(0, 2, 1)
     assert (out[~keep] == 0).all(), "inactive (token, head group) outputs must be exactly zero"
@@ -153,8 +167,8 @@ def run_decode(B, H, Hkv, L, D, G, p_on, lengths, gen):
     dead_kv = ~mask.repeat_interleave(H // G, 1).view(B, Hkv, H // Hkv).any(-1)
     kc_p, vc_p = kc.clone(), vc.clone()
     kc_p[dead_kv], vc_p[dead_kv] = float("nan"), float("nan")
-    out = kernels.attention_decode(q, kc_p, vc_p, mask, kv_len, backend="triton")
-    assert_close(out, kernels.attention_decode_ref(q, kc, vc, mask, kv_len))
+    out = kernels_attention.attention_decode(q, kc_p, vc_p, mask, kv_len)
+    assert_close(out, kernels_attention.attention_decode_ref(q, kc, vc, mask, kv_len))
     assert (out[~mask.repeat_interleave(H // G, 1)] == 0).all()
 
 
@@ -183,18 +197,21 @@ def test_attention_reuses_a_layout():
     B, H, Hkv, T, D = 2, 4, 2, 23, 16
     q, k, v = randn(B, H, T, D, gen=gen), randn(B, Hkv, T, D, gen=gen), randn(B, Hkv, T, D, gen=gen)
     mask = make_mask((B, T, 2), 0.5, gen)
-    lay = kernels.layout(mask, backend="triton")  # the same layout feeds Q proj, attention, O proj
-    assert_close(kernels.attention_prefill(q, k, v, lay, backend="triton"),
-                 kernels.attention_prefill_ref(q, k, v, mask))
+    lay = kernels.layout(mask)  # the same layout feeds Q proj, attention, O proj
+    assert_close(kernels_attention.attention_prefill(q, k, v, lay),
+                 kernels_attention.attention_prefill_ref(q, k, v, mask))
 
 
 # ---------------------------------------------------------------------------------- dispatch, fuzz
-def test_backend_dispatch():
-    gen = torch.Generator().manual_seed(9)
-    x, w, mask = randn(5, 32, gen=gen), randn(32, 32, gen=gen), make_mask((5, 2), 0.5, gen)
-    assert torch.equal(kernels.gemm_mn(x, w, mask, 16, backend="torch"), kernels.gemm_mn_ref(x, w, mask, 16))
-    with pytest.raises(ValueError):
-        kernels.gemm_mn(x, w, mask, 16, backend="cuda")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU without the interpreter")
+def test_kernels_never_fall_back_to_their_twins_on_a_cpu_without_the_interpreter():
+    # No silent fallback: on a CPU tensor without TRITON_INTERPRET=1 the op refuses, naming the fix.
+    code = ("import torch, kernels\n"
+            "x, w, m = torch.randn(5, 32), torch.randn(32, 32), torch.ones(5, 2, dtype=torch.bool)\n"
+            "kernels.gemm_mn(x, w, m, 16)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "TRITON_INTERPRET=1" in r.stderr, r.stderr[-500:]
 
 
 def test_fuzz_random_shapes_and_masks():
@@ -212,7 +229,7 @@ def test_fuzz_random_shapes_and_masks():
                        as_layout=rng.random() < 0.5)
         elif op == 2:
             mask = make_mask((rng.randint(1, 3), rng.randint(1, 40), rng.randint(1, 6)), p_on, gen)
-            check_layout(kernels.layout(mask, block_m=16, backend="triton"), mask, 16)
+            check_layout(kernels.layout(mask, block_m=16), mask, 16)
         elif op == 3:
             Hkv = rng.choice([1, 2])
             H = Hkv * rng.choice([1, 2, 4])
@@ -241,12 +258,12 @@ def test_gpu_bf16_gemms(M):
     wg, wu = (torch.randn(I, D, device="cuda", dtype=torch.bfloat16) / D ** 0.5 for _ in range(2))
     wd = torch.randn(D, I, device="cuda", dtype=torch.bfloat16) / I ** 0.5
     mask = torch.rand(M, I // gs, device="cuda") < 0.5
-    lay = kernels.layout(mask, backend="triton")
-    h = kernels.gemm_mn(x, wg, lay, gs, w_up=wu, backend="triton")
+    lay = kernels.layout(mask)
+    h = kernels.gemm_mn(x, wg, lay, gs, w_up=wu)
     h_ref = kernels.gemm_mn_ref(x.float(), wg.float(), mask, gs, wu.float())
     assert rel_err(h, h_ref) <= 1e-2 and (h[~mask.repeat_interleave(gs, 1)] == 0).all()
     for method in ("tile", "atomic"):
-        y = kernels.gemm_k(h, wd, lay, gs, backend="triton", method=method)
+        y = kernels.gemm_k(h, wd, lay, gs, method=method)
         assert rel_err(y, kernels.gemm_k_ref(h.float(), wd.float(), mask, gs)) <= 1e-2
 
 
@@ -257,10 +274,10 @@ def test_gpu_bf16_attention():
     q = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(B, Hkv, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     mask = torch.rand(B, T, 2, device="cuda") < 0.5
-    out = kernels.attention_prefill(q, k, v, mask, backend="triton")
-    assert rel_err(out, kernels.attention_prefill_ref(q.float(), k.float(), v.float(), mask)) <= 1e-2
+    out = kernels_attention.attention_prefill(q, k, v, mask)
+    assert rel_err(out, kernels_attention.attention_prefill_ref(q.float(), k.float(), v.float(), mask)) <= 1e-2
     dmask = torch.rand(B, 2, device="cuda") < 0.5
     kv_len = torch.tensor([300, 77], device="cuda")
-    out = kernels.attention_decode(q[:, :, :1], k, v, dmask, kv_len, backend="triton")
-    ref = kernels.attention_decode_ref(q[:, :, :1].float(), k.float(), v.float(), dmask, kv_len)
+    out = kernels_attention.attention_decode(q[:, :, :1], k, v, dmask, kv_len)
+    ref = kernels_attention.attention_decode_ref(q[:, :, :1].float(), k.float(), v.float(), dmask, kv_len)
     assert rel_err(out, ref) <= 1e-2 or not dmask.any()
