@@ -18,6 +18,8 @@ import sys
 
 import torch
 
+import baselines
+import data
 import train
 import wide
 from model import CheckpointError, Transformer, load_tokenizer
@@ -57,7 +59,7 @@ def static_row(args, x, y, calib, target, group_cfg):
     model = Transformer.from_pretrained(os.path.join(args.out_dir, "base"), device=args.device)
     wcfg = wide.WideConfig(target=target, attn_group_size=group_cfg.attn_group_size,
                            ffn_group_size=group_cfg.ffn_group_size)
-    wide.calibrate_static_width(model, wcfg, calib)
+    baselines.calibrate_static_width(model, wcfg, calib)
     ppl, rates = score(model, x, y, args)
     L = model.config.n_layers
     # A fixed mask costs nothing at run time: no router FLOPs.
@@ -67,13 +69,13 @@ def static_row(args, x, y, calib, target, group_cfg):
 
 def teal_row(args, x, y, calib, target):
     model = Transformer.from_pretrained(os.path.join(args.out_dir, "base"), device=args.device)
-    wide.calibrate_teal(model, target, calib)
+    baselines.calibrate_teal(model, target, calib)
     ppl, _ = score(model, x, y, args)
     zeroed = lambda names: sum(getattr(getattr(l, p), n).zeroed for l in model.layers for p, n in wide.LORA_TARGETS
                                if n in names) / max(1, sum(getattr(getattr(l, p), n).total for l in model.layers
                                                           for p, n in wide.LORA_TARGETS if n in names))
     return row("teal", 0, target, ppl, zeroed(("q_proj", "k_proj", "v_proj", "o_proj")),
-               zeroed(("gate_proj", "up_proj", "down_proj")), wide.teal_flop_fraction(model))
+               zeroed(("gate_proj", "up_proj", "down_proj")), baselines.teal_flop_fraction(model))
 
 
 def interpolate(points, f):
@@ -110,11 +112,11 @@ def main(argv=None):
     base = os.path.join(args.out_dir, "base")
     Transformer.config_from_dir(base)  # one clear line if there is no trained model yet
     tok = load_tokenizer(base)
-    train_texts, val_texts = train.split_plays()
-    x, y = train.val_windows(train.encode_plays(tok, val_texts), args.block_size)  # every held-out token
+    train_texts, val_texts = data.split_plays()
+    x, y = data.val_windows(data.encode_plays(tok, val_texts), args.block_size)  # every held-out token
     gen = torch.Generator().manual_seed(0)
-    data = train.encode_plays(tok, train_texts)
-    calib = [train.get_batch(data, 16, args.block_size, gen)[0].to(args.device) for _ in range(args.calib_batches)]
+    stream = data.encode_plays(tok, train_texts)
+    calib = [data.get_batch(stream, 16, args.block_size, gen)[0].to(args.device) for _ in range(args.calib_batches)]
 
     dense_ppl, _ = score(Transformer.from_pretrained(base, device=args.device), x, y, args)
     print(f"dense: ppl {dense_ppl:.2f} over {y.numel()} held-out tokens", flush=True)
@@ -157,7 +159,7 @@ def main(argv=None):
 
     os.makedirs(args.results, exist_ok=True)
     meta = dict(date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
-                device=args.device, torch=torch.__version__, held_out_plays=list(train.HELD_OUT),
+                device=args.device, torch=torch.__version__, held_out_plays=list(data.HELD_OUT),
                 held_out_tokens=y.numel(), block_size=args.block_size)
     with open(os.path.join(args.results, "quality.json"), "w") as f:
         json.dump(dict(meta, dense_val_ppl=round(dense_ppl, 3), rows=rows, matched_flops=matched), f, indent=2)

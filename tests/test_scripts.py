@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+import data
 import train
 import wide
 from generate import generate
@@ -33,7 +34,7 @@ def assert_one_line_error(result, *words):
 def checkpoint(tmp_path_factory):
     """A tiny trained-nothing checkpoint with a real BPE tokenizer, as train.py would write it."""
     path = str(tmp_path_factory.mktemp("ckpt") / "base")
-    tok = train.train_tokenizer([TEXT], 300)
+    tok = data.train_tokenizer([TEXT], 300)
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                       intermediate_size=64, max_seq_len=48)
@@ -46,28 +47,28 @@ def checkpoint(tmp_path_factory):
 
 
 def test_held_out_plays_are_whole_and_never_trained_on():
-    plays = train.read_plays()
-    tr, va = train.split_plays()
-    assert len(va) == len(train.HELD_OUT) and len(tr) + len(va) == len(plays)
-    for name in train.HELD_OUT:
+    plays = data.read_plays()
+    tr, va = data.split_plays()
+    assert len(va) == len(data.HELD_OUT) and len(tr) + len(va) == len(plays)
+    for name in data.HELD_OUT:
         assert plays[name] in va and plays[name] not in tr
 
 
 def test_plays_are_cleaned_to_speaker_lines():
-    text = train.clean_play("# Title\n\n## ACT I\n\n**ROMEO**  \nSoft,  \nwhat _light_.\n")
+    text = data.clean_play("# Title\n\n## ACT I\n\n**ROMEO**  \nSoft,  \nwhat _light_.\n")
     assert text == "Title\n\nACT I\n\nROMEO:\nSoft,\nwhat light.\n"
 
 
 def test_tokenizer_round_trips_any_text_and_trains_deterministically():
-    tok = train.train_tokenizer([TEXT], 300)
+    tok = data.train_tokenizer([TEXT], 300)
     for s in [TEXT, "Ünïcödé — and emoji 🎭, tabs\tand\nnewlines", ""]:
         assert tok.decode(tok.encode(s).ids) == s
-    assert tok.to_str() == train.train_tokenizer([TEXT], 300).to_str()
+    assert tok.to_str() == data.train_tokenizer([TEXT], 300).to_str()
 
 
 def test_validation_windows_cover_the_held_out_stream_without_overlap():
-    data = torch.arange(1000)
-    x, y = train.val_windows(data, 64)
+    stream = torch.arange(1000)
+    x, y = data.val_windows(stream, 64)
     assert x.shape == (15, 64) and torch.equal(x[1, 0], torch.tensor(64)) and torch.equal(y, x + 1)
 
 

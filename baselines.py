@@ -1,0 +1,121 @@
+"""
+The training-free baselines WIDE is compared with, calibrated on a few batches of training text:
+
+  static width  one mask for every token: per layer, keep the (1 - s*) most important head groups and
+                channel groups (FixedMask, calibrate_static_width). It plugs in where a router would,
+                so the model's two "WIDE:" mask lines apply it.
+  TEAL-style    activation sparsity: zero the inputs of every projection whose |x| is below a per-layer
+                threshold, the s-quantile of calibration inputs (TealLinear, calibrate_teal,
+                teal_flop_fraction).
+
+The third baseline, layer-skip (dynamic depth: one router of one group per layer gating both residual
+branches), is trained with the same loss and schedule as WIDE, so it lives in wide.py:
+WideConfig(method="layerskip") and install_routers.
+"""
+import torch
+import torch.nn as nn
+
+from wide import LORA_TARGETS, check_groups, linear_flops
+
+
+@torch.no_grad()
+def capture_inputs(model, batches, names):
+    """Run the model on calibration batches; collect the inputs of the named projections per layer."""
+    got = {(i, n): [] for i in range(len(model.layers)) for n in names}
+    hooks = []
+    for i, layer in enumerate(model.layers):
+        for n in names:
+            mod = getattr(layer.self_attn if n in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp, n)
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, args, key=(i, n): got[key].append(args[0].reshape(-1, args[0].shape[-1]).float())))
+    model.eval()
+    for x in batches:
+        model(x)
+    for h in hooks:
+        h.remove()
+    return {k: torch.cat(v) for k, v in got.items()}
+
+
+# ----------------------------------------------------------------------------------------------------
+# static width
+
+
+class FixedMask(nn.Module):
+    """Static width: one mask [G] for every token (no router), broadcast to [B, T, G]."""
+
+    def __init__(self, mask):
+        super().__init__()
+        self.n_groups = mask.shape[-1]
+        self.register_buffer("mask", mask.float())
+
+    def forward(self, x):
+        return self.mask.expand(*x.shape[:-1], -1)
+
+
+@torch.no_grad()
+def calibrate_static_width(model, wcfg, batches):
+    """Static width: per layer, keep the (1 - s*) most important head groups and channel groups for
+    every token. Importance = mean norm of a group's contribution to o_proj / down_proj outputs."""
+    n_attn, n_ffn = check_groups(model.config, wcfg)
+    acts = capture_inputs(model, batches, ("o_proj", "down_proj"))
+    for i, layer in enumerate(model.layers):
+        for name, key, proj, n_groups in (("attn", "o_proj", layer.self_attn.o_proj, n_attn),
+                                          ("ffn", "down_proj", layer.mlp.down_proj, n_ffn)):
+            x = acts[(i, key)]                                                             # [N, K]
+            W = proj.weight.float()                                                        # [D, K]
+            xg = x.view(x.shape[0], n_groups, -1)
+            Wg = W.view(W.shape[0], n_groups, -1)
+            importance = torch.einsum("ngk,dgk->ngd", xg, Wg).norm(dim=-1).mean(0)          # [G]
+            mask = torch.zeros(n_groups)
+            mask[importance.topk(n_groups - int(round(wcfg.target * n_groups))).indices] = 1.0
+            setattr(layer, f"{name}_router", FixedMask(mask.to(W.device)))
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# TEAL-style thresholds
+
+
+class TealLinear(nn.Module):
+    """TEAL-style (training-free activation sparsity): zero input entries with |x| below a per-layer
+    threshold, so the matching weight columns need not be read. zeroed / total count the zeroed share."""
+
+    def __init__(self, base, threshold):
+        super().__init__()
+        self.base, self.threshold = base, threshold
+        self.zeroed, self.total = 0, 0
+
+    def forward(self, x):
+        kept = x.abs() > self.threshold
+        self.zeroed += int((~kept).sum())
+        self.total += kept.numel()
+        return self.base(x * kept)
+
+
+@torch.no_grad()
+def calibrate_teal(model, sparsity, batches):
+    """Thresholds at the s-quantile of |input| for every projection (q, k, v share an input; so do
+    gate and up), calibrated on training text: about s of every linear's inputs are zeroed."""
+    names = [n for _, n in LORA_TARGETS]
+    acts = capture_inputs(model, batches, names)
+    for i, layer in enumerate(model.layers):
+        for parent, n in LORA_TARGETS:
+            x = acts[(i, n)].abs().flatten()
+            k = max(1, int(sparsity * x.numel()))
+            t = x.kthvalue(k).values.item() if sparsity > 0 else -1.0
+            mod = getattr(layer, parent)
+            setattr(mod, n, TealLinear(getattr(mod, n), t))
+    return model
+
+
+def teal_flop_fraction(model):
+    """Executed / dense linear FLOPs under TEAL: each projection runs (1 - its zeroed input share)."""
+    f = linear_flops(model.config)
+    per_proj = dict(q_proj=f["q"], k_proj=f["kv"] / 2, v_proj=f["kv"] / 2, o_proj=f["o"],
+                    gate_proj=f["ffn"] / 3, up_proj=f["ffn"] / 3, down_proj=f["ffn"] / 3)
+    done = f["head"]
+    for layer in model.layers:
+        for parent, n in LORA_TARGETS:
+            m = getattr(getattr(layer, parent), n)
+            done += per_proj[n] * (1 - m.zeroed / max(1, m.total))
+    return done / (f["head"] + model.config.n_layers * (f["q"] + f["kv"] + f["o"] + f["ffn"]))
