@@ -1,11 +1,12 @@
-"""End to end: the Triton backend against the reference, through the whole model and generate().
+"""End to end: the Triton engine against the reference, through the whole model and generate().
 
-The same checkpoint runs through backend "torch" (dense compute, skipped groups zeroed) and backend
-"triton" (kernels.py skips them). On CPU the kernels run in the Triton interpreter (conftest), fp32:
-routing masks must be identical, logits equal to fp32 rounding, greedy tokens identical for 32 new
-tokens at batch 1 and for a batch of prompts of different lengths. With a GPU the same tests run there
-(fp32), and the GPU tests add CUDA graphs and bf16; they skip without CUDA.
-Speed lives in `python bench.py e2e`, never here.
+The same weights run through backend "torch" (model.py: dense compute, skipped groups zeroed) and
+backend "triton" (engine.py: the kernels skip them). On CPU the kernels run in the Triton interpreter
+(conftest), fp32, and the launch recorder proves that the width-skipping kernels ran (layout, gemm_mn,
+gemm_k, prefill and decode attention): routing masks must be identical, logits equal to fp32
+rounding, greedy tokens identical for 32 new tokens at batch 1 and for a batch of prompts of
+different lengths. With a GPU the same tests run there (fp32), and the GPU tests add CUDA graphs and
+bf16; they skip without CUDA. Speed lives in `python bench_e2e.py`, never here.
 """
 import copy
 import os
@@ -15,18 +16,23 @@ import sys
 import pytest
 import torch
 
-import model as model_py
+import engine
 import wide
+from conftest import assert_close as _assert_close
 from generate import generate
-from model import ModelConfig, Transformer, load_tokenizer, save_checkpoint
+from model import ModelConfig, Transformer
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Every pruned linear through its Triton kernel, whatever the token count (the defaults hand mid-sized
-# steps to cuBLAS on the masked input; that path is tested too).
-ALL_SPARSE = dict(SPARSE_DECODE_MAX_TOKENS=64, SPARSE_PREFILL_MIN_TOKENS=1)
-ALL_DENSE_LINEARS = dict(SPARSE_DECODE_MAX_TOKENS=0, SPARSE_PREFILL_MIN_TOKENS=10 ** 9)
+# Every pruned linear through its Triton kernel, whatever the token count (the default policy hands
+# mid-sized steps to cuBLAS on the masked input; that path is tested too).
+DEFAULT = engine.Policy()
+ALL_SPARSE = engine.Policy(sparse_decode_max_tokens=10 ** 6, sparse_prefill_min_tokens=1)
+ALL_DENSE_LINEARS = engine.Policy(sparse_decode_max_tokens=0, sparse_prefill_min_tokens=10 ** 9)
+# The kernels that skip work in a generation with the default policy (a short prompt, then one-token
+# steps: gemm_mn runs as its GEMV kernel); a test of the Triton path that did not launch them proves nothing.
+SKIPPING = ("layout_kernel", "gemv_mn_kernel", "gemm_k_kernel", "attn_prefill_kernel", "attn_decode_kernel")
 
 
 def wide_model(device=DEV, dtype=torch.float32, seed=0, routers=True, std=0.3):
@@ -49,138 +55,155 @@ def wide_model(device=DEV, dtype=torch.float32, seed=0, routers=True, std=0.3):
     return m.eval()
 
 
-def masks(m):
-    return [(l.attn_router.keep.clone(), l.ffn_router.keep.clone()) for l in m.layers]
-
-
 def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def assert_close(out, ref, tol):
-    diff, err = (out.float() - ref.float()).abs(), rel_err(out, ref)
-    assert err <= tol, f"rel err {err:.2e}: max diff {diff.max():.3e}, mean {diff.mean():.3e}"
+    _assert_close(out, ref, rtol=tol, what="logits")
 
 
-def set_policy(monkeypatch, policy):
-    for k, v in policy.items():
-        monkeypatch.setattr(model_py, k, v)
+def run_both(m, fn, policy=DEFAULT):
+    """fn(forward) with the model itself (torch), then with engine.Engine (triton): [result, result]."""
+    with torch.no_grad():
+        return [fn(m), fn(engine.Engine(m, policy))]
 
 
-def run_both(m, fn):
-    """fn() under backend torch, then triton: ((result, masks), (result, masks))."""
-    got = []
-    for backend in ("torch", "triton"):
-        m.set_backend(backend)
-        with torch.no_grad():
-            got.append(fn())
-    m.set_backend("torch")
-    return got
+def assert_same_masks(a, b):
+    assert a.keys() == b.keys()
+    for kind in a:
+        assert len(a[kind]) == len(b[kind])
+        for x, y in zip(a[kind], b[kind]):
+            assert torch.equal(x, y), f"routing masks ({kind}) must be identical"
 
 
 # ----------------------------------------------------------------------------------------------------
 # one forward
 
 
-@pytest.mark.parametrize("policy", [{}, ALL_SPARSE, ALL_DENSE_LINEARS])
-def test_triton_forward_routes_identically_and_matches_reference_logits(monkeypatch, policy):
-    set_policy(monkeypatch, policy)
+@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, ALL_DENSE_LINEARS], ids=["default", "all-sparse", "dense-linears"])
+def test_triton_forward_routes_identically_and_matches_reference_logits(launches, policy):
     m = wide_model()
     idx = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1)).to(DEV)
-    (ref, ref_masks), (out, out_masks) = run_both(m, lambda: (m(idx), masks(m)))
-    for (a, f), (a2, f2) in zip(ref_masks, out_masks):
-        assert torch.equal(a, a2) and torch.equal(f, f2), "routing masks must be identical"
-    assert 0.2 < torch.stack([a.mean() for a, _ in ref_masks]).mean() < 0.8, "routers should skip some groups"
+    (ref, ref_masks), (out, out_masks) = run_both(m, lambda f: (f(idx, masks=(d := {})), d), policy)
+    assert_same_masks(ref_masks, out_masks)
+    assert 0.2 < torch.stack([a.mean() for a in ref_masks["attn"]]).mean() < 0.8, "routers should skip some groups"
     assert_close(out, ref, 1e-5)
+    # 74 tokens: layout and prefill attention always; the pruned linears where the policy says so.
+    assert launches.count("layout_kernel") > 0 and launches.count("attn_prefill_kernel") == len(m.layers)
+    assert launches.count("gemm_mn_kernel") == (2 * len(m.layers) if policy is ALL_SPARSE else 0)
+    assert launches.count("gemm_k_kernel") == (2 * len(m.layers) if policy is ALL_SPARSE else 0)
 
 
-@pytest.mark.parametrize("policy", [{}, ALL_SPARSE])
-def test_triton_prefill_and_decode_with_per_row_positions_match_reference(monkeypatch, policy):
-    set_policy(monkeypatch, policy)
+@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE], ids=["default", "all-sparse"])
+def test_triton_prefill_and_decode_with_per_row_positions_match_reference(launches, policy):
     m = wide_model()
     idx = torch.randint(0, 96, (3, 9), generator=torch.Generator().manual_seed(2)).to(DEV)
 
-    def steps():
-        m.setup_caches(3, 16)
-        out = [m(idx, input_pos=torch.arange(9, device=DEV))]
+    def steps(f):
+        f.setup_caches(3, 16)
+        masks = {}
+        out = [f(idx, input_pos=torch.arange(9, device=DEV), masks=masks)]
         pos = torch.tensor([[4], [9], [6]], device=DEV)  # each row continues after its own prompt
         for i in range(3):
-            out.append(m(idx[:, i:i + 1], input_pos=pos + i))
-        m.clear_caches()
-        return torch.cat(out, 1), masks(m)
+            out.append(f(idx[:, i:i + 1], input_pos=pos + i, masks=masks))
+        f.clear_caches()
+        return torch.cat(out, 1), masks
 
-    (ref, ref_masks), (out, out_masks) = run_both(m, steps)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ref_masks, out_masks))
+    (ref, ref_masks), (out, out_masks) = run_both(m, steps, policy)
+    assert_same_masks(ref_masks, out_masks)
     assert_close(out, ref, 1e-5)
+    # Decode steps of 3 tokens are GEMV-sized: every pruned linear and the decode attention in Triton.
+    assert launches.count("gemv_mn_kernel") >= 2 * 3 * len(m.layers)
+    assert launches.count("attn_decode_kernel") == 3 * len(m.layers)
 
 
-def test_dense_model_through_the_triton_engine_equals_the_reference():
+def test_dense_model_through_the_triton_engine_equals_the_reference(launches):
     m = wide_model(routers=False)
     idx = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(3)).to(DEV)
 
-    def steps():
-        m.setup_caches(2, 24)
-        out = torch.cat([m(idx, input_pos=torch.arange(20, device=DEV)),
-                         m(idx[:, :1], input_pos=torch.tensor([20], device=DEV))], 1)
-        m.clear_caches()
+    def steps(f):
+        f.setup_caches(2, 24)
+        out = torch.cat([f(idx, input_pos=torch.arange(20, device=DEV)),
+                         f(idx[:, :1], input_pos=torch.tensor([20], device=DEV))], 1)
+        f.clear_caches()
         return out
 
     ref, out = run_both(m, steps)
     assert_close(out, ref, 1e-5)
+    assert launches.count("attn_decode_kernel") == len(m.layers) and launches.count("rms_norm_kernel") > 0
 
 
-def test_prefill_chunks_after_position_zero_fall_back_to_the_reference_path():
+def test_the_engine_refuses_what_it_does_not_run_instead_of_falling_back():
     m = wide_model()
     idx = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(4)).to(DEV)
+    e = engine.Engine(m)
     with torch.no_grad():
-        full = m(idx)
-        m.set_backend("triton")
-        m.setup_caches(1, 16)
-        parts = [m(idx[:, a:b], input_pos=torch.arange(a, b, device=DEV)) for a, b in ((0, 5), (5, 6), (6, 12))]
-        m.clear_caches()
-    assert_close(torch.cat(parts, 1), full, 1e-5)
+        e.setup_caches(1, 16)
+        e(idx[:, :5], input_pos=torch.arange(5, device=DEV))
+        with pytest.raises(ValueError, match="torch backend"):  # a prefill chunk after position 0
+            e(idx[:, 5:12], input_pos=torch.arange(5, 12, device=DEV))
+        e.clear_caches()
+    with pytest.raises(RuntimeError, match="no_grad"):  # training runs the reference path
+        e(idx)
 
 
-def test_set_backend_checks_what_the_kernels_can_run():
+def test_select_is_the_one_backend_switch():
     m = wide_model()
-    assert m.set_backend("auto").backend == ("triton" if DEV == "cuda" else "torch")
+    assert engine.select(m, "torch") is m
+    assert isinstance(engine.select(m, "triton"), engine.Engine)
+    assert (engine.select(m, "auto") is m) == (DEV == "cpu")  # auto = triton on a GPU only
     small = Transformer(ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
                                     intermediate_size=64)).to(DEV)  # head_dim 8: too small for the kernels
     with pytest.raises(ValueError, match="head_dim"):
-        small.set_backend("triton")
-    assert small.set_backend("auto").backend == "torch"
-    with pytest.raises(ValueError):
-        m.set_backend("cuda")
+        engine.select(small, "triton")
+    assert engine.select(small, "auto") is small
+    with pytest.raises(ValueError, match="torch, triton or auto"):
+        engine.select(m, "cuda")
+
+
+def test_the_policy_names_every_op_it_sends_to_cublas():
+    text = DEFAULT.describe()
+    assert "O and down above 4 tokens" in text and "Q and gate+up at 5-1023 tokens" in text
+    assert "K/V projections" in text and "lm_head" in text
+    assert [DEFAULT.sparse(M, "mn") for M in (1, 4, 5, 1023, 1024)] == [True, True, False, False, True]
+    assert [DEFAULT.sparse(M, "k") for M in (1, 4, 5, 4096)] == [True, True, False, False]
 
 
 # ----------------------------------------------------------------------------------------------------
 # generate(): greedy tokens, batches of prompts of different lengths
 
 
-def greedy_both(m, idx, n, lengths=None):
-    def run():
+def greedy_both(m, idx, n, lengths=None, policy=DEFAULT):
+    def run(f):
         steps = []
-        out = generate(m, idx, n, temperature=0.0, lengths=lengths,
-                       on_token=lambda i, t: steps.append(masks(m)))
+        out = generate(f, idx, n, temperature=0.0, lengths=lengths,
+                       on_token=lambda i, t, masks: steps.append({k: [x.clone() for x in v] for k, v in masks.items()}))
         return out, steps
-    return run_both(m, run)
+    return run_both(m, run, policy)
 
 
-def test_greedy_tokens_identical_across_backends_at_batch_1():
+def test_greedy_tokens_identical_across_backends_at_batch_1(launches):
     m = wide_model()
     (ref, ref_steps), (out, out_steps) = greedy_both(m, torch.tensor([[5, 17, 3, 44, 9]], device=DEV), 32)
     assert torch.equal(out, ref), f"\n{ref.tolist()}\n{out.tolist()}"
-    assert all(torch.equal(a, b) for s, t in zip(ref_steps, out_steps) for x, y in zip(s, t) for a, b in zip(x, y))
+    for a, b in zip(ref_steps, out_steps):
+        assert_same_masks(a, b)
+    for name in SKIPPING:
+        assert launches.count(name) > 0, f"{name} never ran: the Triton path did not skip any work"
 
 
-def test_greedy_tokens_identical_across_backends_for_prompts_of_different_lengths(monkeypatch):
-    set_policy(monkeypatch, ALL_SPARSE)
+@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE], ids=["default", "all-sparse"])
+def test_greedy_tokens_identical_across_backends_for_prompts_of_different_lengths(launches, policy):
     m = wide_model()
     lengths = [7, 2, 5]
     idx = torch.randint(1, 96, (3, 7), generator=torch.Generator().manual_seed(5)).to(DEV)
     idx[1, 2:], idx[2, 5:] = 0, 0  # right padding
-    (ref, _), (out, _) = greedy_both(m, idx, 32, lengths)
+    (ref, _), (out, _) = greedy_both(m, idx, 32, lengths, policy)
     assert torch.equal(out, ref), f"\n{ref.tolist()}\n{out.tolist()}"
+    for name in ("layout_kernel", "attn_prefill_kernel", "attn_decode_kernel") + (
+            ("gemm_mn_kernel", "gemm_k_kernel") if policy is ALL_SPARSE else ("gemv_mn_kernel", "gemm_k_kernel")):
+        assert launches.count(name) > 0, f"{name} never ran"
 
 
 def test_prompts_of_different_lengths_generate_as_if_alone():
@@ -222,11 +245,10 @@ class Replay(torch.nn.Module):
 
     def __init__(self, recorded):
         super().__init__()
-        self.recorded, self.keep = list(recorded), None
+        self.recorded = list(recorded)
 
     def forward(self, x):
-        self.keep = self.recorded.pop(0)
-        return self.keep
+        return self.recorded.pop(0)
 
 
 @GPU
@@ -240,42 +262,38 @@ def test_gpu_fp32_greedy_tokens_identical_across_backends_with_cuda_graphs():
 
 @GPU
 def test_gpu_cuda_graph_decode_equals_eager_decode():
-    m = wide_model("cuda", torch.bfloat16).set_backend("triton")
+    e = engine.Engine(wide_model("cuda", torch.bfloat16))
     idx = torch.randint(1, 96, (2, 9), generator=torch.Generator().manual_seed(7)).cuda()
-    graphed = generate(m, idx, 24, cuda_graph=True)
-    eager = generate(m, idx, 24, cuda_graph=False)
+    graphed = generate(e, idx, 24, cuda_graph=True)
+    eager = generate(e, idx, 24, cuda_graph=False)
     assert torch.equal(graphed, eager)
 
 
 @GPU
-@pytest.mark.parametrize("policy", [{}, ALL_SPARSE])
-def test_gpu_bf16_logits_within_1e_2_of_the_reference(monkeypatch, policy):
+@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE], ids=["default", "all-sparse"])
+def test_gpu_bf16_logits_within_1e_2_of_the_reference(policy):
     # The reference is the same checkpoint in fp32 (bf16 itself is ~1e-2 from it, whichever backend).
     # Rounding may tip a router logit near a tie, so the reference replays the masks the bf16 run took.
-    set_policy(monkeypatch, policy)
     m = wide_model("cuda", torch.bfloat16, std=0.08)
     idx = torch.randint(0, 96, (4, 64), generator=torch.Generator().manual_seed(8)).cuda()
 
-    def steps(model, record=None):
-        model.setup_caches(4, 72)
+    def steps(f, masks=None):
+        f.setup_caches(4, 72)
         out = []
         for i in range(5):  # a prefill, then four decode steps
             tokens, pos = (idx, torch.arange(64)) if i == 0 else (idx[:, i:i + 1], torch.tensor([63 + i]))
-            out.append(model(tokens, input_pos=pos.cuda()))
-            for rec, l in zip(record or (), model.layers):
-                rec.append((l.attn_router.keep.clone(), l.ffn_router.keep.clone()))
-        model.clear_caches()
+            out.append(f(tokens, input_pos=pos.cuda(), masks=masks))
+        f.clear_caches()
         return torch.cat(out, 1)
 
-    seen = [[] for _ in m.layers]
+    seen = {}
     with torch.no_grad():
-        got = {}
-        for backend in ("triton", "torch"):
-            m.set_backend(backend)
-            got[backend] = steps(m, seen if backend == "triton" else None)
-        ref_model = copy.deepcopy(m).float().set_backend("torch")
-        for l, rec in zip(ref_model.layers, seen):
-            l.attn_router, l.ffn_router = Replay([a for a, _ in rec]), Replay([f for _, f in rec])
+        got = {"triton": steps(engine.Engine(m, policy), seen), "torch": steps(m)}
+        ref_model = copy.deepcopy(m).float()
+        L = len(m.layers)
+        for i, l in enumerate(ref_model.layers):  # masks are recorded step-major, layer by layer
+            l.attn_router = Replay(seen["attn"][i::L])
+            l.ffn_router = Replay(seen["ffn"][i::L])
         ref = steps(ref_model)
     err, torch_err = rel_err(got["triton"], ref), rel_err(got["torch"], ref)
     assert err <= 1e-2, f"bf16 Triton logits rel err {err:.2e} vs fp32 (bf16 torch backend: {torch_err:.2e})"
