@@ -86,6 +86,24 @@ def why_not_ready(model):
     return None
 
 
+def fuse_weights(layer):
+    """Re-lay one layer's projections once, at load time: Q, K, V as rows of one tensor and gate, up as
+    rows of another; returns (wqkv, wgu). The model's Linear weights become views into them (same
+    values, same memory), so the reference path is untouched, while the engine reads K and V (and the
+    dense model Q, K, V, or gate and up) with one GEMM each: the dense baseline at its best."""
+    a, f = layer.self_attn, layer.mlp
+    fused = []
+    for parts in ((a.q_proj, a.k_proj, a.v_proj), (f.gate_proj, f.up_proj)):
+        w = torch.cat([p.weight.detach() for p in parts])
+        start = 0
+        for p in parts:
+            n = p.weight.shape[0]
+            p.weight = nn.Parameter(w[start:start + n], requires_grad=False)
+            start += n
+        fused.append(w)
+    return tuple(fused)
+
+
 def select(model, backend="auto", policy=None):
     """The one backend switch: "torch" -> the model itself, "triton" -> Engine(model), "auto" -> triton
     on a CUDA model whose shapes the kernels take, else torch. Both are called as model(idx, ...)."""
@@ -124,6 +142,8 @@ class Engine:
             raise ValueError("backend triton needs the model on a CUDA GPU (or TRITON_INTERPRET=1 on a CPU); "
                              "use --backend torch")
         self.model, self.config, self.policy = model, model.config, policy or Policy()
+        with torch.no_grad():
+            self.fused = {id(layer): fuse_weights(layer) for layer in model.layers}  # -> (wqkv, wgu)
 
     def setup_caches(self, *args, **kwargs):
         return self.model.setup_caches(*args, **kwargs)
@@ -176,11 +196,12 @@ class Engine:
 
     def block(self, layer, x, step, masks):
         """One layer; the residual add is fused into the second norm (h = x + a)."""
+        wqkv, wgu = self.fused[id(layer)]
         head_mask = self.route(layer.attn_router, x, masks, "attn")
-        a = self.attention(layer.self_attn, rms_norm(x, layer.input_layernorm), step, head_mask)
+        a = self.attention(layer.self_attn, wqkv, rms_norm(x, layer.input_layernorm), step, head_mask)
         h, n = rms_norm(a, layer.post_attention_layernorm, residual=x)
         channel_mask = self.route(layer.ffn_router, h, masks, "ffn")
-        return h + self.ffn(layer.mlp, n, channel_mask)
+        return h + self.ffn(layer.mlp, wgu, n, channel_mask)
 
     def route(self, router, x, masks, kind):
         """The router's decision as a bool mask [B, T, G] (True = the group runs), or None (dense);
@@ -198,10 +219,11 @@ class Engine:
             masks.setdefault(kind, []).append(keepf)
         return keep
 
-    def attention(self, attn, x, step, head_mask):
-        """Attention with head_mask bool [B, T, G] or None (dense)."""
+    def attention(self, attn, wqkv, x, step, head_mask):
+        """Attention with head_mask bool [B, T, G] or None (dense); wqkv = [Wq; Wk; Wv] (fuse_weights)."""
         B, T, _ = x.shape
         M, H, Hkv, d = B * T, attn.n_heads, attn.n_kv_heads, attn.head_dim
+        nq = H * d
         x2 = x.reshape(M, -1)
         sparse_mn, sparse_k = self.policy.sparse(M, "mn"), self.policy.sparse(M, "k")
         if head_mask is not None:
@@ -210,10 +232,12 @@ class Engine:
             lay = kernels.layout(head_mask) if not step.decode else mask
         if head_mask is not None and sparse_mn:
             # Q proj, active groups only; pruned slots stay unwritten (attention never reads them).
-            q = kernels.gemm_mn(x2, attn.q_proj.weight, lay, gs, zero_pruned=False)
+            q = kernels.gemm_mn(x2, wqkv[:nq], lay, gs, zero_pruned=False)
+            kv = F.linear(x2, wqkv[nq:])  # K and V in one GEMM: never pruned
         else:
-            q = F.linear(x2, attn.q_proj.weight)
-        k, v = F.linear(x2, attn.k_proj.weight), F.linear(x2, attn.v_proj.weight)
+            qkv = F.linear(x2, wqkv)      # Q, K, V in one GEMM
+            q, kv = qkv[:, :nq], qkv[:, nq:]
+        k, v = kv[:, :Hkv * d], kv[:, Hkv * d:]
         if attn.kv_cache is not None:  # K/V are never pruned: the static cache stays complete
             kc, vc = attn.kv_cache.k_cache, attn.kv_cache.v_cache
         else:
@@ -235,21 +259,23 @@ class Engine:
             return kernels.gemm_k(y, attn.o_proj.weight, mask, gs).view(B, T, -1)
         return F.linear(y, attn.o_proj.weight).view(B, T, -1)
 
-    def ffn(self, mlp, x, channel_mask):
-        """SwiGLU FFN with channel_mask bool [B, T, G] or None (dense)."""
+    def ffn(self, mlp, wgu, x, channel_mask):
+        """SwiGLU FFN with channel_mask bool [B, T, G] or None (dense); wgu = [Wgate; Wup] (fuse_weights)."""
         B, T, D = x.shape
         M = B * T
         x2 = x.reshape(M, D)
-        wg, wu, wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
-        if channel_mask is None:
-            return F.linear(F.silu(F.linear(x2, wg)) * F.linear(x2, wu), wd).view(B, T, D)
-        mask, gs = channel_mask.reshape(M, -1), wg.shape[0] // channel_mask.shape[-1]
+        I, wd = wgu.shape[0] // 2, mlp.down_proj.weight
+        if channel_mask is None or not self.policy.sparse(M, "mn"):
+            g, u = F.linear(x2, wgu).split(I, dim=-1)  # gate and up in one GEMM
+            a = F.silu(g) * u
+            if channel_mask is None:
+                return F.linear(a, wd).view(B, T, D)
+        mask, gs = channel_mask.reshape(M, -1), I // channel_mask.shape[-1]
         if self.policy.sparse(M, "mn"):
             # gate+up fused, active channel groups only, silu(gate)*up in the epilogue, pruned slots 0.
             lay = kernels.layout(channel_mask) if M > kernels.SMALL_M else mask
-            a = kernels.gemm_mn(x2, wg, lay, gs, w_up=wu)
+            a = kernels.gemm_mn(x2, wgu[:I], lay, gs, w_up=wgu[I:])
         else:
-            a = F.silu(F.linear(x2, wg)) * F.linear(x2, wu)
             a = (a.view(M, -1, gs) * mask[..., None]).view(M, -1)  # zero the pruned channel groups
         if self.policy.sparse(M, "k"):
             return kernels.gemm_k(a, wd, mask, gs).view(B, T, D)
@@ -316,13 +342,15 @@ def rope_and_store_ref(q, k, v, step, k_dst, v_dst, H, Hkv, d):
 def rope_and_store(q, k, v, step, k_dst, v_dst, H, Hkv, d):
     """RoPE on q [M, H*d] and k [M, Hkv*d]; k and v go into k_dst/v_dst [B, Hkv, L, d] at step.slot."""
     kernels.check_device(q)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # q, k, v may be column slices of one fused QKV output: rows strided, elements contiguous.
+    q, k, v = (t if t.stride(1) == 1 else t.contiguous() for t in (q, k, v))
+    assert k.stride(0) == v.stride(0), "k and v must share a row stride"
     M = q.shape[0]
-    q_out = kernels._empty(q.shape, q.dtype, q.device)
+    q_out = kernels._empty((M, H * d), q.dtype, q.device)
     T = M // k_dst.shape[0]
-    _rope_kernel[(M,)](q, k, v, step.cos, step.sin, step.slot, q_out, k_dst, v_dst, T, H, Hkv, H * d, Hkv * d,
-                       k_dst.stride(0), k_dst.stride(1), k_dst.stride(2), HP=triton.next_power_of_2(H),
-                       HKP=triton.next_power_of_2(Hkv), HALF=d // 2, num_warps=4)
+    _rope_kernel[(M,)](q, k, v, step.cos, step.sin, step.slot, q_out, k_dst, v_dst, T, H, Hkv, q.stride(0),
+                       k.stride(0), k_dst.stride(0), k_dst.stride(1), k_dst.stride(2),
+                       HP=triton.next_power_of_2(H), HKP=triton.next_power_of_2(Hkv), HALF=d // 2, num_warps=4)
     return q_out
 
 
@@ -342,12 +370,14 @@ def _rope_kernel(q, k, v, cos, sin, slot, q_out, k_dst, v_dst, T, H, HKV, sq, sk
     """RoPE for every head of one token. Grid (B*T,): the query heads go to q_out; the key heads, and
     the value heads as they are, straight into the KV cache at the token's slot (K/V are never pruned:
     the cache stays dense). Skips nothing. Twin: rope_and_store_ref."""
+    # sq: row stride of q (its heads contiguous); q_out is [M, H * 2 * HALF]; sk: row stride of k and v.
     m = tl.program_id(0)
     i = tl.arange(0, HALF)[None, :]
     c1, c2 = tl.load(cos + m * 2 * HALF + i), tl.load(cos + m * 2 * HALF + HALF + i)
     s1, s2 = tl.load(sin + m * 2 * HALF + i), tl.load(sin + m * 2 * HALF + HALF + i)
     hq = tl.arange(0, HP)[:, None]
-    _rotate(q + m * sq + hq * 2 * HALF + i, q_out + m * sq + hq * 2 * HALF + i, hq < H, c1, c2, s1, s2, HALF)
+    _rotate(q + m * sq + hq * 2 * HALF + i, q_out + m * H * 2 * HALF + hq * 2 * HALF + i, hq < H,
+            c1, c2, s1, s2, HALF)
     hk = tl.arange(0, HKP)[:, None]
     dst = (m // T).to(tl.int64) * sdb + hk * sdh + tl.load(slot + m) * sdt
     _rotate(k + m * sk + hk * 2 * HALF + i, k_dst + dst + i, hk < HKV, c1, c2, s1, s2, HALF)

@@ -1,0 +1,113 @@
+"""engine.py's own kernels against their twins, and what the engine does to the weights.
+
+The fused small kernels of a step (RMSNorm with the residual add, RoPE with the KV-cache write, the
+decode-time router) each have a PyTorch twin; on CPU they run in the Triton interpreter (fp32), and
+every buffer they allocate starts poisoned (NaN / -1), so a slot never written fails here.
+"""
+import pytest
+import torch
+
+import engine
+import wide
+from conftest import assert_close
+from model import KVCache, ModelConfig, RMSNorm, Transformer
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def randn(*shape, seed=0, std=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * std).to(DEV)
+
+
+@pytest.mark.parametrize("rows, D", [(1, 64), (7, 96), (33, 128)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel_matches_twin(rows, D, with_residual):
+    norm = RMSNorm(D, 1e-5).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(randn(D, seed=1))
+        x, res = randn(2, rows, D, seed=2, std=3.0), randn(2, rows, D, seed=3)
+        got = engine.rms_norm(x, norm, res if with_residual else None)
+        ref = engine.rms_norm_ref(x, norm, res if with_residual else None)
+    for g, r in zip(got if with_residual else [got], ref if with_residual else [ref]):
+        assert_close(g, r, atol=1e-5, what="RMSNorm")
+
+
+def test_rms_norm_twin_is_the_model_norm_after_the_residual_add():
+    norm = RMSNorm(32, 1e-5)
+    x, res = torch.randn(3, 32), torch.randn(3, 32)
+    h, y = engine.rms_norm_ref(x, norm, res)
+    assert torch.equal(h, res + x) and torch.equal(y, norm(res + x))
+
+
+@pytest.mark.parametrize("B, T, H, Hkv, d", [(1, 1, 4, 2, 16), (2, 5, 8, 2, 32), (3, 1, 4, 4, 16)])
+def test_rope_and_store_kernel_matches_twin(B, T, H, Hkv, d):
+    cfg = ModelConfig(dim=H * d, n_heads=H, n_kv_heads=Hkv, max_seq_len=32)
+    m = Transformer(cfg).to(DEV)
+    M, L = B * T, 24
+    # q, k, v as column slices of one fused QKV output, as the engine produces them
+    qkv = randn(M, (H + 2 * Hkv) * d, seed=4)
+    q, k, v = qkv[:, :H * d], qkv[:, H * d:(H + Hkv) * d], qkv[:, (H + Hkv) * d:]
+    pos = torch.stack([torch.randperm(L, generator=torch.Generator().manual_seed(b))[:T] for b in range(B)]).to(DEV)
+    cos, sin = m.rope(pos)
+    step = engine.Step(T == 1, cos.reshape(M, d).contiguous(), sin.reshape(M, d).contiguous(),
+                       pos.reshape(M).contiguous(), None, None, None)
+    caches = [KVCache(B, L, Hkv, d, torch.float32, DEV) for _ in range(2)]
+    for c in caches:  # what is already in the cache must survive
+        c.k_cache.copy_(randn(B, Hkv, L, d, seed=5))
+        c.v_cache.copy_(randn(B, Hkv, L, d, seed=6))
+    got = engine.rope_and_store(q, k, v, step, caches[0].k_cache, caches[0].v_cache, H, Hkv, d)
+    ref = engine.rope_and_store_ref(q, k, v, step, caches[1].k_cache, caches[1].v_cache, H, Hkv, d)
+    assert_close(got, ref, atol=1e-5, what="rotated q")
+    assert_close(caches[0].k_cache, caches[1].k_cache, atol=1e-5, what="k cache")
+    assert torch.equal(caches[0].v_cache, caches[1].v_cache), "v is stored as it is"
+
+
+def router(D=64, G=4, seed=0):
+    torch.manual_seed(seed)
+    return wide.Router(D, G, 32).to(DEV).eval()
+
+
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_router_kernels_match_twin_and_the_router_itself(M):
+    r = router()
+    x = randn(1, M, 64, seed=7, std=4.0)
+    with torch.no_grad():
+        keep, keepf = engine.route(r, x)
+        ref, ref_f = engine.route_ref(r, x)
+        assert torch.equal(keep, ref) and torch.equal(keepf, ref_f)
+        assert torch.equal(keepf, r(x)), "the twin is the router's own inference rule"
+    assert 0 < keep.float().mean() < 1, "a test router should skip some groups"
+
+
+def test_router_kernel_executes_on_a_tie():
+    # z_skip == z_exec exactly: the paper's rule skips only if z_skip > z_exec, so a tie runs.
+    r = router()
+    with torch.no_grad():
+        r.up.weight.view(4, 2, -1)[:, 1] = r.up.weight.view(4, 2, -1)[:, 0]
+        r.up.bias.zero_()
+        keep, keepf = engine.route(r, randn(1, 5, 64, seed=8))
+    assert keep.all() and (keepf == 1).all()
+
+
+def test_router_kernel_skips_when_the_skip_logit_is_larger():
+    r = router()
+    with torch.no_grad():
+        r.up.weight.zero_()
+        r.up.bias.view(4, 2)[:, 1] = torch.tensor([1e-3, -1e-3, 1e-3, -1e-3])  # skip, run, skip, run
+        keep, _ = engine.route(r, randn(2, 3, 64, seed=9))
+    assert keep.tolist() == [[[False, True, False, True]] * 3] * 2
+
+
+def test_fused_weights_are_views_and_change_no_output():
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=64, dim=64, n_heads=4, n_kv_heads=2, intermediate_size=128)).to(DEV).eval()
+    idx = torch.randint(0, 64, (2, 9), device=DEV)
+    with torch.no_grad():
+        before = m(idx)
+        e = engine.Engine(m)
+        after = m(idx)
+    assert torch.equal(before, after)
+    a, f = m.layers[0].self_attn, m.layers[0].mlp
+    wqkv, wgu = e.fused[id(m.layers[0])]
+    assert a.q_proj.weight.data_ptr() == wqkv.data_ptr() and torch.equal(wqkv[-a.v_proj.weight.shape[0]:], a.v_proj.weight)
+    assert f.up_proj.weight.data_ptr() == wgu[f.gate_proj.weight.shape[0]:].data_ptr()
