@@ -204,8 +204,15 @@ def width_legend():
     return "width used to produce each token (share of prunable linear FLOPs): " + " ".join(parts)
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr (and exit code 2), not the whole usage text."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see python {self.prog} --help)\n")
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrors(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: out/base, or the "
                    "router checkpoint for --sparsity); ours or a local HF Llama directory")
     p.add_argument("--sparsity", type=float, help="use the WIDE routers trained for this target")

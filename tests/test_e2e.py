@@ -218,24 +218,6 @@ def test_prompts_of_different_lengths_generate_as_if_alone():
         assert (together[b, len(p) + 12:] == 0).all()
 
 
-def test_generate_cli_compares_wide_with_dense_in_the_same_engine(tmp_path):
-    import train
-    tok = train.train_tokenizer(["ROMEO: But soft, what light through yonder window breaks?\n" * 5], 300)
-    torch.manual_seed(0)
-    m = Transformer(ModelConfig(vocab_size=tok.get_vocab_size(), dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                intermediate_size=128, max_seq_len=64))
-    wcfg = wide.WideConfig(ffn_group_size=32)
-    wide.install_routers(m, wcfg)
-    wide.save_wide(str(tmp_path / "wide-s0.5-stage1"), m, tok, wcfg)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "generate.py", "--out-dir", str(tmp_path), "--sparsity", "0.5",
-                        "--compare-dense", "--max-new-tokens", "6", "--prompt", "ROMEO:", "--prompt", "But soft"],
-                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "dense (routers off, same engine)" in r.stdout and "WIDE / dense decode speed" in r.stdout
-    assert "batch 2" in r.stdout and "backend torch" in r.stdout
-
-
 # ----------------------------------------------------------------------------------------------------
 # GPU
 

@@ -1,0 +1,140 @@
+"""generate.py as a user runs it: the two backends give the same text, the width it reports is each
+row's own, and bad flags end in one line.
+
+In-process runs call generate.main under the Triton interpreter (conftest), so the launch recorder
+sees which kernels the Triton backend ran; subprocess runs check exit codes and stderr."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data
+import engine
+import wide
+from generate import generate, main, token_widths
+from model import ModelConfig, Transformer, load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n" * 5
+SKIPPING = ("layout_kernel", "gemv_mn_kernel", "gemm_k_kernel", "attn_prefill_kernel", "attn_decode_kernel")
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    """out/wide-s0.5-stage1 as train.py writes it: a router checkpoint shaped as the kernels need
+    (head_dim 16, attention groups of one KV head, FFN groups of 32 channels), random routers."""
+    out = tmp_path_factory.mktemp("out")
+    tok = data.train_tokenizer([TEXT], 300)
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=tok.get_vocab_size(), dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                intermediate_size=128, max_seq_len=64))
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)  # clear argmax margins
+    wcfg = wide.WideConfig(ffn_group_size=32)
+    wide.install_routers(m, wcfg)
+    wide.save_wide(str(out / "wide-s0.5-stage1"), m, tok, wcfg)
+    return str(out)
+
+
+def run_main(capsys, *args):
+    main(list(args))
+    return capsys.readouterr().out
+
+
+def test_triton_backend_gives_the_reference_text_with_the_skipping_kernels_launched(out_dir, capsys, launches):
+    common = ("--out-dir", out_dir, "--sparsity", "0.5", "--temperature", "0", "--max-new-tokens", "12",
+              "--prompt", "ROMEO:", "--prompt", "But soft, what light")
+    ref = run_main(capsys, *common, "--backend", "torch")
+    assert not launches.grids, "the torch backend launches no Triton kernel"
+    out = run_main(capsys, *common, "--backend", "triton")
+    policy = "backend triton; where each op runs:\n" + engine.Policy().describe() + "\n"
+    assert policy in out, "generate.py --backend triton prints where each op runs"
+    samples = lambda o: o.replace(policy, "").split(" tokens in ")[0]  # everything before the timing line
+    assert samples(out) == samples(ref), f"{ref}\n---\n{out}"
+    for name in SKIPPING:
+        assert launches.count(name) > 0, f"{name} never ran"
+    assert "cuBLAS on the masked input" in out and "backend triton" in out and "backend torch" in ref
+
+
+def test_show_width_reports_each_rows_own_tokens_not_the_padding(out_dir):
+    # Prompts of different lengths are right-padded: after the prefill, position P-1 is padding for
+    # the shorter rows. The width of each row's first new token must be that of its own last prompt
+    # token, exactly what the row gets when it is generated alone.
+    m, wcfg = wide.load_wide(os.path.join(out_dir, "wide-s0.5-stage1"))
+    prompts = [[5, 17, 3, 44, 9, 2, 7], [6, 5], [3, 5, 8]]
+    last = torch.tensor([len(p) - 1 for p in prompts])
+
+    def widths(idx, lengths=None, at=None):
+        seen = []
+        generate(m, idx, 4, lengths=lengths,
+                 on_token=lambda i, t, masks: seen.append(token_widths(masks, m.config, wcfg, at if i == 0 else None)))
+        return seen
+
+    together = widths(torch.tensor([p + [0] * (7 - len(p)) for p in prompts]), [len(p) for p in prompts], last)
+    for b, p in enumerate(prompts):
+        alone = widths(torch.tensor([p]), at=torch.tensor([len(p) - 1]))
+        for step_t, step_a in zip(together, alone):
+            for k in step_a:
+                assert step_t[k][b].item() == pytest.approx(step_a[k][0].item(), abs=1e-6), (b, k)
+    # and the values are the shares of groups the routers ran (not a constant)
+    assert len({round(s["attn"][0].item(), 4) for s in together}) > 1 or len({round(s["ffn"][0].item(), 4) for s in together}) > 1
+
+
+def test_realized_sparsity_line_is_the_mean_over_each_rows_own_tokens(out_dir, capsys):
+    prompts = ["ROMEO:", "But soft, what light through"]
+    out = run_main(capsys, "--out-dir", out_dir, "--sparsity", "0.5", "--temperature", "0", "--max-new-tokens", "6",
+                   "--backend", "torch", "--prompt", prompts[0], "--prompt", prompts[1])
+    line = next(l for l in out.splitlines() if l.startswith("realized sparsity"))
+    printed = [float(line.split(f"{k} ")[1].split("%")[0]) for k in ("attention", "FFN")]
+    # The same numbers from each prompt generated alone (greedy: the same tokens as in the batch).
+    m, wcfg = wide.load_wide(os.path.join(out_dir, "wide-s0.5-stage1"))
+    tok = load_tokenizer(os.path.join(out_dir, "wide-s0.5-stage1"))
+    seen = []
+    for p in prompts:
+        ids = tok.encode(p).ids
+        generate(m, torch.tensor([ids]), 6, on_token=lambda i, t, masks: seen.append(
+            token_widths(masks, m.config, wcfg, torch.tensor([len(ids) - 1]) if i == 0 else None)))
+    expected = [100 * (1 - torch.cat([s[k] for s in seen]).mean().item()) for k in ("attn", "ffn")]
+    assert printed == pytest.approx(expected, abs=0.051), (line, expected)
+
+
+def run_script(*args):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, "generate.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--top-k", "-5"), ("--top-k", "negative")),
+    (("--device", "tpu"), ("--device", "tpu")),
+    (("--backend", "cuda"), ("--backend",)),
+    (("--sparsity", "1.5"), ("outside [0, 1)",)),
+    (("--temperature", "-1"), ("--temperature",)),
+])
+def test_every_invalid_flag_ends_in_one_line_and_a_nonzero_exit(out_dir, flags, words):
+    r = run_script("--out-dir", out_dir, "--max-new-tokens", "2", *flags)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_triton_backend_without_a_gpu_or_the_interpreter_is_one_line(out_dir):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    r = subprocess.run([sys.executable, "generate.py", "--out-dir", out_dir, "--sparsity", "0.5", "--backend", "triton",
+                        "--max-new-tokens", "2"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "TRITON_INTERPRET=1" in r.stderr, r.stderr
+
+
+def test_generate_cli_compares_wide_with_dense_in_the_same_engine(out_dir):
+    r = run_script("--out-dir", out_dir, "--sparsity", "0.5", "--compare-dense", "--max-new-tokens", "6",
+                   "--prompt", "ROMEO:", "--prompt", "But soft")
+    assert r.returncode == 0, r.stderr
+    assert "dense (routers off, same engine)" in r.stdout and "WIDE / dense decode speed" in r.stdout
+    assert "batch 2" in r.stdout and "backend torch" in r.stdout
