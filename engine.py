@@ -144,6 +144,7 @@ class Engine:
         self.model, self.config, self.policy = model, model.config, policy or Policy()
         with torch.no_grad():
             self.fused = {id(layer): fuse_weights(layer) for layer in model.layers}  # -> (wqkv, wgu)
+        self.ticket = torch.zeros(1, dtype=torch.int32, device=model.embed_tokens.weight.device)  # norm_route
 
     def setup_caches(self, *args, **kwargs):
         return self.model.setup_caches(*args, **kwargs)
@@ -195,29 +196,32 @@ class Engine:
         return F.linear(rms_norm(x, m.norm), m.head_weight())
 
     def block(self, layer, x, step, masks):
-        """One layer; the residual add is fused into the second norm (h = x + a)."""
+        """One layer. Each sublayer starts with one kernel that does the residual add, the RMSNorm and
+        the router (norm_route), so a decode step has no separate launches for them."""
         wqkv, wgu = self.fused[id(layer)]
-        head_mask = self.route(layer.attn_router, x, masks, "attn")
-        a = self.attention(layer.self_attn, wqkv, rms_norm(x, layer.input_layernorm), step, head_mask)
-        h, n = rms_norm(a, layer.post_attention_layernorm, residual=x)
-        channel_mask = self.route(layer.ffn_router, h, masks, "ffn")
+        n, head_mask = self.norm_route(x, layer.input_layernorm, layer.attn_router, masks, "attn")
+        a = self.attention(layer.self_attn, wqkv, n, step, head_mask)
+        (h, n), channel_mask = self.norm_route(a, layer.post_attention_layernorm, layer.ffn_router, masks,
+                                               "ffn", residual=x)  # h = x + a
         return h + self.ffn(layer.mlp, wgu, n, channel_mask)
 
-    def route(self, router, x, masks, kind):
-        """The router's decision as a bool mask [B, T, G] (True = the group runs), or None (dense);
-        the float mask goes into `masks` as the reference forward records it."""
+    def norm_route(self, x, norm, router, masks, kind, residual=None):
+        """(norm(x) or (h, norm(h)) with h = residual + x, and the router's decision on x or h as a bool
+        mask [B, T, G] (True = the group runs; None without a router). The float mask goes into
+        `masks` as the reference forward records it."""
         if router is None:
-            return None
+            return rms_norm(x, norm, residual), None
         down = getattr(router, "down", None)
         if (isinstance(down, nn.Linear) and down.weight.dtype == torch.float32
                 and x.shape[0] * x.shape[1] <= self.policy.router_max_tokens):
-            keep, keepf = route(router, x)
+            normed, keep, keepf = norm_route(x, norm, router, residual, self.ticket)
         else:
-            keepf = router(x)       # at inference exactly 0 or 1
+            normed = rms_norm(x, norm, residual)
+            keepf = router(x if residual is None else normed[0])  # at inference exactly 0 or 1
             keep = keepf > 0.5
         if masks is not None:
             masks.setdefault(kind, []).append(keepf)
-        return keep
+        return normed, keep
 
     def attention(self, attn, wqkv, x, step, head_mask):
         """Attention with head_mask bool [B, T, G] or None (dense); wqkv = [Wq; Wk; Wv] (fuse_weights)."""
@@ -387,66 +391,103 @@ def _rope_kernel(q, k, v, cos, sin, slot, q_out, k_dst, v_dst, T, H, HKV, sq, sk
 
 
 def route_ref(router, x):
-    """Twin of route: wide.Router's inference rule (skip iff z_skip > z_exec; a tie executes)."""
+    """wide.Router's inference rule (skip iff z_skip > z_exec; a tie executes): (bool, float) [B, T, G]."""
     z = router.logits(x)
     keep = z[..., 1] <= z[..., 0]
     return keep, keep.float()
 
 
-def route(router, x):
-    """A wide.Router's decision for the few tokens of a step, in two kernels: (bool, float) [B, T, G]."""
+def norm_route_ref(x, norm, router, residual=None):
+    """Twin of norm_route: (rms_norm_ref(x, norm, residual), *route_ref(router, x or h))."""
+    normed = rms_norm_ref(x, norm, residual)
+    return (normed, *route_ref(router, x if residual is None else normed[0]))
+
+
+def norm_route(x, norm, router, residual=None, ticket=None):
+    """The start of a sublayer for the few tokens of a step, in one launch: h = residual + x (if given),
+    RMSNorm(h), and the wide.Router decision on the raw h. Returns (normed, keep bool, keep float) with
+    normed = norm(x), or (h, norm(h)) with a residual; masks [B, T, G].
+    ticket: an int32 counter that is zero between launches (the kernel leaves it zero, so a CUDA graph
+    can replay it); launches on one stream run one after another, so an engine needs only one."""
     kernels.check_device(x)
     B, T, D = x.shape
     M = B * T
     down, up = router.down, router.up
     G, R = router.n_groups, down.out_features
+    x2 = x.reshape(M, D).contiguous()
+    res = residual.reshape(M, D).contiguous() if residual is not None else x2
+    y = kernels._empty((M, D), x.dtype, x.device)
+    h = kernels._empty((M, D), x.dtype, x.device) if residual is not None else y
     z = kernels._empty((M, R), torch.float32, x.device)
-    BT = max(2, triton.next_power_of_2(M))
-    RB = triton.next_power_of_2(R) if INTERPRET else 1  # the interpreter pays per program
-    _router_down_kernel[(triton.cdiv(R, RB),)](x.reshape(M, D).contiguous(), down.weight, down.bias, z, M,
-                                               D, R, BT=BT, RB=RB, BK=min(triton.next_power_of_2(D),
-                                                                           max(16, 8192 // BT)), num_warps=4)
     keep = kernels._empty((M, G), torch.uint8, x.device)
     keepf = kernels._empty((M, G), torch.float32, x.device)
-    BG, TB = min(64, triton.next_power_of_2(G)), BT if INTERPRET else 1
-    _router_up_kernel[(triton.cdiv(M, TB), triton.cdiv(G, BG))](
-        z, up.weight, up.bias, keep, keepf, M, G, R, TB=TB, RP=triton.next_power_of_2(R), BG=BG, num_warps=4)
-    return keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G)
+    ticket = torch.zeros(1, dtype=torch.int32, device=x.device) if ticket is None else ticket
+    BT = max(2, triton.next_power_of_2(M))
+    RB = triton.next_power_of_2(R) if INTERPRET else 1  # the interpreter pays per program
+    _norm_route_kernel[(triton.cdiv(R, RB),)](
+        x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, z, up.weight, up.bias, keep, keepf, ticket,
+        M, D, R, G, HAS_RES=residual is not None, BT=BT, RB=RB, BK=min(triton.next_power_of_2(D), max(16, 4096 // BT)),
+        RP=triton.next_power_of_2(R), BG=max(2, triton.next_power_of_2(G)), num_warps=4)
+    normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
+    return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G)
 
 
 @triton.jit
-def _router_down_kernel(x, wd, bd, z, M, D, R, BT: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
-    """z[:, r] = x @ wd[r] + bd[r] in fp32 for the few tokens of a decode step, RB ranks per program.
-    Grid (cdiv(R, RB),). Twin: route_ref (the router's first Linear)."""
-    r = tl.program_id(0) * RB + tl.arange(0, RB)
+def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, ticket, M, D, R, G,
+                       HAS_RES: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr,
+                       RP: tl.constexpr, BG: tl.constexpr):
+    """Residual add + RMSNorm + router for the M <= BT tokens of a step. Grid (cdiv(R, RB),).
+
+    Every program forms h = res + x (rounded to the model dtype as `x + a` is) and the router's first
+    Linear for its RB ranks, z = h @ wd[r] + bd[r] in fp32; program 0 also writes h and RMSNorm(h). The
+    last program to take a ticket (the others' z are then visible) applies the second Linear and the
+    rule of wide.Router: skip iff z_skip > z_exec, a tie executes; it resets the ticket. Deterministic:
+    each z is one program's fixed-order sum, and one program does the rest. Skips nothing.
+    Twin: norm_route_ref."""
+    pid = tl.program_id(0)
     t = tl.arange(0, BT)
+    tok = t < M
+    r = pid * RB + tl.arange(0, RB)
     kk = tl.arange(0, BK)
     acc = tl.zeros([BT, RB, BK], tl.float32)
+    ss = tl.zeros([BT], tl.float32)
     for k0 in range(0, D, BK):
-        ok = k0 + kk < D
-        a = tl.load(x + t[:, None] * D + k0 + kk[None, :], mask=(t < M)[:, None] & ok[None, :], other=0.0)
-        w = tl.load(wd + r[:, None] * D + k0 + kk[None, :], mask=(r < R)[:, None] & ok[None, :], other=0.0)
-        acc += a.to(tl.float32)[:, None, :] * w[None, :, :]
+        ok = tok[:, None] & (k0 + kk < D)[None, :]
+        offs = t[:, None].to(tl.int64) * D + k0 + kk[None, :]
+        hv = tl.load(x + offs, mask=ok, other=0.0)
+        if HAS_RES:
+            hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
+            if pid == 0:
+                tl.store(h_out + offs, hv, mask=ok)
+        hf = hv.to(tl.float32)
+        ss += tl.sum(hf * hf, 1)
+        w = tl.load(wd + r[:, None] * D + k0 + kk[None, :], mask=(r < R)[:, None] & (k0 + kk < D)[None, :], other=0.0)
+        acc += hf[:, None, :] * w[None, :, :]
     zt = tl.sum(acc, 2) + tl.load(bd + r, mask=r < R, other=0.0)[None, :]
-    tl.store(z + t[:, None] * R + r[None, :], zt, mask=(t < M)[:, None] & (r < R)[None, :])
-
-
-@triton.jit
-def _router_up_kernel(z, wu, bu, keep, keepf, M, G, R, TB: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr):
-    """The (execute, skip) logit pair of each group, then wide.Router's inference rule: skip iff
-    z_skip > z_exec (a tie executes). Grid (cdiv(M, TB), cdiv(G, BG)). Writes keep as bool and float.
-    Twin: route_ref."""
-    t = (tl.program_id(0) * TB + tl.arange(0, TB))[:, None, None]
-    g = (tl.program_id(1) * BG + tl.arange(0, BG))[None, :, None]
-    r = tl.arange(0, RP)[None, None, :]
-    zr = tl.load(z + t * R + r, mask=(t < M) & (r < R), other=0.0)
-    wm = (g < G) & (r < R)
-    z_exec = tl.sum(tl.load(wu + (2 * g) * R + r, mask=wm, other=0.0) * zr, 2)
-    z_skip = tl.sum(tl.load(wu + (2 * g + 1) * R + r, mask=wm, other=0.0) * zr, 2)
-    t, g = tl.sum(t, 2), tl.sum(g, 2)  # [TB, 1], [1, BG]
-    ok = (t < M) & (g < G)
-    z_exec += tl.load(bu + 2 * g, mask=g < G, other=0.0)
-    z_skip += tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
-    run = z_skip <= z_exec  # the inference rule; a tie executes
-    tl.store(keep + t * G + g, run.to(tl.uint8), mask=ok)
-    tl.store(keepf + t * G + g, run.to(tl.float32), mask=ok)
+    tl.store(z + t[:, None] * R + r[None, :], zt, mask=tok[:, None] & (r < R)[None, :])
+    if pid == 0:  # RMSNorm(h) from the row sums of squares; h re-read from x (and res), as it was formed
+        inv = tl.rsqrt(ss / D + eps)
+        for k0 in range(0, D, BK):
+            ok = tok[:, None] & (k0 + kk < D)[None, :]
+            offs = t[:, None].to(tl.int64) * D + k0 + kk[None, :]
+            hv = tl.load(x + offs, mask=ok, other=0.0)
+            if HAS_RES:
+                hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
+            n = (hv.to(tl.float32) * inv[:, None]).to(hv.dtype)
+            wt = tl.load(nw + k0 + kk, mask=k0 + kk < D, other=0.0)
+            tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
+    tl.debug_barrier()  # every thread's z is stored before the ticket is taken (release)
+    if tl.atomic_add(ticket, 1) == tl.num_programs(0) - 1:  # the last program: z is complete
+        tl.atomic_xchg(ticket, 0)
+        g = tl.arange(0, BG)
+        rr = tl.arange(0, RP)
+        wm = (g < G)[:, None] & (rr < R)[None, :]
+        w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
+        w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+        b_exec = tl.load(bu + 2 * g, mask=g < G, other=0.0)
+        b_skip = tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
+        for m in range(0, M):
+            zr = tl.load(z + m * R + rr, mask=rr < R, other=0.0, cache_modifier=".cg")[None, :]
+            run = tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec  # a tie executes
+            tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
+            tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)

@@ -1,7 +1,7 @@
 """engine.py's own kernels against their twins, and what the engine does to the weights.
 
-The fused small kernels of a step (RMSNorm with the residual add, RoPE with the KV-cache write, the
-decode-time router) each have a PyTorch twin; on CPU they run in the Triton interpreter (fp32), and
+The fused small kernels of a step (residual add + RMSNorm + router, RMSNorm alone, RoPE with the
+KV-cache write) each have a PyTorch twin; on CPU they run in the Triton interpreter (fp32), and
 every buffer they allocate starts poisoned (NaN / -1), so a slot never written fails here.
 """
 import pytest
@@ -67,34 +67,41 @@ def router(D=64, G=4, seed=0):
     return wide.Router(D, G, 32).to(DEV).eval()
 
 
-@pytest.mark.parametrize("M", [1, 3, 16])
-def test_router_kernels_match_twin_and_the_router_itself(M):
-    r = router()
-    x = randn(1, M, 64, seed=7, std=4.0)
+@pytest.mark.parametrize("M", [1, 3, 16, 40])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_route_kernel_matches_twin_and_the_router_itself(M, with_residual):
+    r, norm = router(), RMSNorm(64, 1e-5).to(DEV)
     with torch.no_grad():
-        keep, keepf = engine.route(r, x)
-        ref, ref_f = engine.route_ref(r, x)
-        assert torch.equal(keep, ref) and torch.equal(keepf, ref_f)
-        assert torch.equal(keepf, r(x)), "the twin is the router's own inference rule"
+        norm.weight.copy_(randn(64, seed=10))
+        x, res = randn(2, M, 64, seed=7, std=4.0), randn(2, M, 64, seed=11, std=4.0)
+        ticket = torch.zeros(1, dtype=torch.int32, device=DEV)
+        for _ in range(2):  # the ticket is back at zero after a launch, so a second one works the same
+            normed, keep, keepf = engine.norm_route(x, norm, r, res if with_residual else None, ticket)
+            assert ticket.item() == 0
+        ref_normed, ref, ref_f = engine.norm_route_ref(x, norm, r, res if with_residual else None)
+        assert torch.equal(keep, ref) and torch.equal(keepf, ref_f), "routing decisions must be identical"
+        assert torch.equal(keepf, r(res + x if with_residual else x)), "the twin is the router's own rule"
+        for got, want in zip(normed if with_residual else [normed], ref_normed if with_residual else [ref_normed]):
+            assert_close(got, want, atol=1e-5, what="h / RMSNorm(h)")
     assert 0 < keep.float().mean() < 1, "a test router should skip some groups"
 
 
-def test_router_kernel_executes_on_a_tie():
+def test_norm_route_kernel_executes_on_a_tie():
     # z_skip == z_exec exactly: the paper's rule skips only if z_skip > z_exec, so a tie runs.
-    r = router()
+    r, norm = router(), RMSNorm(64, 1e-5).to(DEV)
     with torch.no_grad():
         r.up.weight.view(4, 2, -1)[:, 1] = r.up.weight.view(4, 2, -1)[:, 0]
         r.up.bias.zero_()
-        keep, keepf = engine.route(r, randn(1, 5, 64, seed=8))
+        _, keep, keepf = engine.norm_route(randn(1, 5, 64, seed=8), norm, r)
     assert keep.all() and (keepf == 1).all()
 
 
-def test_router_kernel_skips_when_the_skip_logit_is_larger():
-    r = router()
+def test_norm_route_kernel_skips_when_the_skip_logit_is_larger():
+    r, norm = router(), RMSNorm(64, 1e-5).to(DEV)
     with torch.no_grad():
         r.up.weight.zero_()
         r.up.bias.view(4, 2)[:, 1] = torch.tensor([1e-3, -1e-3, 1e-3, -1e-3])  # skip, run, skip, run
-        keep, _ = engine.route(r, randn(2, 3, 64, seed=9))
+        _, keep, _ = engine.norm_route(randn(2, 3, 64, seed=9), norm, r)
     assert keep.tolist() == [[[False, True, False, True]] * 3] * 2
 
 
