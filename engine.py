@@ -116,9 +116,7 @@ def select(model, backend="auto", policy=None):
 
 def n_groups(router):
     """How many groups a router decides over (wide.Router, baselines.FixedMask); 0 without a router."""
-    if router is None:
-        return 0
-    return router.n_groups if hasattr(router, "n_groups") else router.keep_groups.shape[-1]
+    return getattr(router, "n_groups", 0)
 
 
 class Step(NamedTuple):

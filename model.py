@@ -319,7 +319,12 @@ class Transformer(nn.Module):
             attn_mask = None if input_pos is None else self.causal_mask[None, None, input_pos]
         x = self.embed_tokens(idx)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn_mask, input_pos, masks)
+            # A fresh dict per layer: FSDP2 rebuilds the containers in a layer's arguments that hold
+            # tensors needing gradients, so a dict already holding earlier layers' masks would be a copy.
+            got = None if masks is None else {}
+            x = layer(x, cos, sin, attn_mask, input_pos, got)
+            for kind, m in (got or {}).items():
+                masks.setdefault(kind, []).extend(m)
         if logits_at is not None:
             x = x[torch.arange(B, device=x.device), logits_at][:, None]
         logits = F.linear(self.norm(x), self.head_weight())
