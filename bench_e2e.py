@@ -1,0 +1,510 @@
+"""
+End to end: a Llama-3.1-8B-shaped model (random bf16 weights, real WIDE routers) through engine.Engine,
+against the same model with its routers removed, in the same engine.
+
+  python bench_e2e.py                       # the default set, about 4-7 minutes on an H200 -> results/e2e_h200.{json,md}
+  python bench_e2e.py --only decode,compile # a subset of the parts: prefill, decode, compile, small
+  python bench_e2e.py --decode 1x1024,32x8192   # other decode rows (batch x context)
+  python bench_e2e.py --budget-s 300        # start no new row after this many seconds
+  TRITON_INTERPRET=1 python bench_e2e.py --smoke   # the same code on the CPU: a tiny fp32 model (CI)
+
+What each part measures:
+  prefill  one prompt of 4096 tokens (logits of its last token only), WIDE vs dense, median of 5.
+  decode   one new token per row over a KV cache filled to `context`, replayed as a CUDA graph
+           (generate.CUDAGraphDecoder) with greedy argmax, at the default rows (batch, context) =
+           (1, 1k), (1, 8k), (8, 1k), (32, 8k). Dense: the faster of the two dense decode attentions
+           (Policy.dense_decode_attention). WIDE: the default Policy, and with more tokens than
+           Policy.sparse_decode_max_tokens also every pruned linear through its kernel ("all sparse").
+           Each row carries dense_GBps = (weights + KV cache a step must read) / dense step time, its
+           share of the 4220 GB/s copy ceiling, and the byte limit of the speedup at the masks the
+           routers chose (the bytes dense reads / the bytes WIDE must read).
+  compile  the dense engine once against gpt-fast's own recipe on the same weights: model.py's forward
+           (routers off, static KV cache, batch 1, context 1k) in a decode_one_token that
+           torch.compile(mode="reduce-overhead", fullgraph=True) captures; both tokens/s.
+  small    the trained small model (out/wide-s0.5-stage*) if there is one, else the small preset with
+           calibrated random routers: masks from a trained router, through generate().
+
+Routers: wide.Router with its own initialisation; each group's skip bias is shifted so that it skips
+half the tokens of a random prompt (calibrate_routers). Timing: CUDA events around N steps after a
+warm-up; --smoke times with the CPU clock (meaningless) and never writes under results/.
+"""
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import engine
+import wide
+from bench_kernels import COPY_GBS, meta, need_device, out_prefix, save
+from generate import CUDAGraphDecoder, find_router_checkpoint, generate, routers_off, routers_on
+from model import ModelConfig, Transformer, rope_frequencies
+
+
+@dataclass
+class Run:
+    """What one run measures, and on what: the Llama-3.1-8B shape on the GPU, or a tiny model (--smoke)."""
+    preset: str = "llama-3.1-8b"
+    config: dict = None               # instead of a preset: ModelConfig fields (--smoke)
+    ffn_group_size: int = 128
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cuda"
+    smoke: bool = False
+    prefill: int = 4096
+    decode: list = field(default_factory=lambda: [(1, 1024), (1, 8192), (8, 1024), (32, 8192)])
+    compile_context: int = 1024
+    steps: int = 40                   # timed decode steps (half of it for batch x context > 64k)
+    warmup: int = 3
+    calibrate_tokens: int = 1024
+    small_preset: str = "small"
+    small_tokens: tuple = (128, 128)  # prompt, new tokens
+    small_batches: tuple = (1, 8)
+
+
+def smoke_run():
+    # One layer, 4 attention groups (2 heads of 16, one KV head each), 4 FFN groups of 32 channels.
+    tiny = dict(vocab_size=128, dim=64, n_layers=1, n_heads=8, n_kv_heads=4, head_dim=16,
+                intermediate_size=128, max_seq_len=96)
+    return Run(config=tiny, ffn_group_size=32, dtype=torch.float32, device="cpu", smoke=True, prefill=32,
+               decode=[(1, 24), (6, 24)], compile_context=24, steps=2, warmup=1, calibrate_tokens=32,
+               small_preset=None, small_tokens=(8, 3), small_batches=(2,))
+
+
+# ----------------------------------------------------------------------------------- the model
+def e2e_model(run, preset=None, max_seq_len=None):
+    """A preset's shape (or run.config) with random weights (std 0.02) and WIDE routers, built in place."""
+    cfg = ModelConfig(**run.config) if run.config and not preset else ModelConfig.from_name(preset or run.preset)
+    cfg.max_seq_len = max_seq_len or cfg.max_seq_len
+    torch.set_default_dtype(run.dtype)
+    try:
+        with torch.device("meta"):
+            m = Transformer(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    m.to_empty(device=run.device)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.02) if p.dim() == 2 else p.fill_(1.0)
+    m.inv_freq = rope_frequencies(cfg).to(run.device)
+    gs = run.ffn_group_size if cfg.intermediate_size % run.ffn_group_size == 0 else 32
+    wcfg = wide.WideConfig(ffn_group_size=gs)  # attention groups: one KV head's query heads
+    wide.install_routers(m, wcfg)              # routers stay fp32
+    return m.eval(), wcfg
+
+
+@torch.no_grad()
+def calibrate_routers(m, sparsity, tokens, passes=2):
+    """Shift each group's skip-logit bias so that the group skips `sparsity` of a random prompt's tokens
+    (the reference forward, model.py). Only the biases move. Two passes, since the later layers see
+    what the earlier layers' masks did."""
+    routers = list(wide.routers(m))
+    idx = torch.randint(0, m.config.vocab_size, (1, min(tokens, m.config.max_seq_len)),
+                        device=m.embed_tokens.weight.device)
+    for _ in range(passes):
+        seen = {}
+        hooks = [r.register_forward_hook(lambda mod, a, out: seen.__setitem__(mod, a[0])) for r in routers]
+        m(idx)
+        for h in hooks:
+            h.remove()
+        for r, x in seen.items():
+            z = r.logits(x).reshape(-1, r.n_groups, 2).float()
+            d = z[..., 1] - z[..., 0]  # skip iff d > 0
+            r.up.bias.view(-1, 2)[:, 1] -= torch.quantile(d, 1 - sparsity, dim=0)
+
+
+def weight_bytes(m):
+    # What a decode step must read once: every weight except the embedding table (one row per token),
+    # which is read in full when it doubles as the head.
+    return sum(p.numel() * p.element_size() for n, p in m.named_parameters()
+               if "router" not in n and ("embed_tokens" not in n or m.lm_head is None))
+
+
+def kv_bytes(m, batch, context):
+    c = m.config
+    return c.n_layers * batch * context * 2 * c.n_kv_heads * c.head_dim * m.embed_tokens.weight.element_size()
+
+
+def wide_bytes(m, batch, context, masks):
+    """The bytes a WIDE step must read at these masks: Q/O weights and the KV cache scale with the
+    attention groups live in the batch's union, the FFN weights with the FFN groups'."""
+    c, e = m.config, m.embed_tokens.weight.element_size()
+    attn, ffn = masks["attn_union_live"], masks["ffn_union_live"]
+    qo, f = 2 * c.dim * c.n_heads * c.head_dim * e, 3 * c.dim * c.intermediate_size * e
+    return weight_bytes(m) - c.n_layers * ((1 - attn) * qo + (1 - ffn) * f) - (1 - attn) * kv_bytes(m, batch, context)
+
+
+# ----------------------------------------------------------------------------------- timing
+def fmt_row(r, skip=("gpu", "torch", "triton")):
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items() if k not in skip)
+
+
+def clock_ms(run, fn, n):
+    """ms per call of fn(n) doing n steps: CUDA events on the GPU, the CPU clock with --smoke."""
+    if run.smoke:
+        t = time.perf_counter()
+        fn(n)
+        return (time.perf_counter() - t) * 1e3 / n
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    fn(n)
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) / n
+
+
+class EagerDecoder:
+    """CUDAGraphDecoder's interface without the graph, for --smoke on the CPU (no CUDA graphs there)."""
+
+    def __init__(self, model, token, pos):
+        self.model, self.masks = model, {}
+
+    def __call__(self, token, pos):
+        self.masks.clear()
+        return self.model(token, input_pos=pos.view(-1, 1), masks=self.masks)[:, -1]
+
+
+def fill_cache(m, context):
+    for layer in m.layers:  # as if a prompt of `context` tokens had been prefilled
+        c = layer.self_attn.kv_cache
+        c.k_cache[:, :, :context].normal_()
+        c.v_cache[:, :, :context].normal_()
+
+
+@torch.no_grad()
+def time_prefill(run, e, T, reps=5):
+    """ms of one prompt of T tokens at positions 0..T-1 into the static cache, logits of its last token."""
+    e.setup_caches(1, T)
+    idx = torch.randint(0, e.config.vocab_size, (1, T), device=run.device)
+    pos, last = torch.arange(T, device=run.device), torch.tensor([T - 1], device=run.device)
+    step = lambda n: [e(idx, input_pos=pos, logits_at=last) for _ in range(n)]
+    step(1 if run.smoke else 2)
+    times = sorted(clock_ms(run, step, 1) for _ in range(1 if run.smoke else reps))
+    e.clear_caches()
+    return times[len(times) // 2]
+
+
+@torch.no_grad()
+def time_decode(run, e, batch, context, steps):
+    """ms per decode step (batch new tokens) as generate() runs it: graph replay, greedy argmax, next
+    position. Also the masks the routers chose: the skipped share and the share live in the batch's union."""
+    e.setup_caches(batch, context + steps + run.warmup + 8)
+    fill_cache(e.model, context)
+    token = torch.randint(0, e.config.vocab_size, (batch, 1), device=run.device)
+    pos = torch.full((batch,), context, device=run.device)
+    step = (EagerDecoder if run.smoke else CUDAGraphDecoder)(e, token, pos)
+    state = dict(token=token)
+
+    def go(n):
+        for _ in range(n):
+            state["token"] = step(state["token"], pos).argmax(-1, keepdim=True)
+            pos.add_(1)
+    go(run.warmup)
+    ms = clock_ms(run, go, steps)
+    masks = None
+    if step.masks:  # float [B, 1, G] per layer, rewritten by every replay
+        kinds = ("attn", "ffn")
+        masks = {f"{k}_skip": round(1 - torch.stack([x.float().mean() for x in step.masks[k]]).mean().item(), 4)
+                 for k in kinds}
+        masks.update({f"{k}_union_live": round(torch.stack([x.reshape(batch, -1).amax(0).mean()
+                                                            for x in step.masks[k]]).mean().item(), 4)
+                      for k in kinds})
+    del step
+    e.clear_caches()
+    return ms, masks
+
+
+@torch.no_grad()
+def time_compiled(run, m, context, steps):
+    """gpt-fast's decode loop on model.py itself (batch 1, static KV cache): ms per step, and the
+    seconds the compilation and warm-up took."""
+    def decode_one_token(model, token, pos):  # token [1, 1], pos [1]
+        return model(token, input_pos=pos)[:, -1].argmax(-1, keepdim=True)
+
+    # CUDA graphs by torch.compile on the GPU; --smoke traces the same function (fullgraph) without them.
+    step = torch.compile(decode_one_token, backend="eager", fullgraph=True) if run.smoke else \
+        torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+    m.setup_caches(1, context + steps + run.warmup + 8)
+    fill_cache(m, context)
+    state = dict(token=torch.randint(0, m.config.vocab_size, (1, 1), device=run.device))
+    pos = torch.tensor([context], device=run.device)
+
+    def go(n):
+        for _ in range(n):
+            state["token"] = step(m, state["token"], pos).clone()
+            pos.add_(1)
+    t = time.perf_counter()
+    go(run.warmup)
+    compile_s = time.perf_counter() - t
+    ms = clock_ms(run, go, steps)
+    m.clear_caches()
+    return ms, compile_s
+
+
+def with_engine(m, routers, policy, fn):
+    """fn(engine) with the routers on (WIDE) or off (dense); one engine alive at a time."""
+    saved = None if routers else routers_off(m)
+    try:
+        return fn(engine.Engine(m, policy))
+    finally:
+        if saved is not None:
+            routers_on(m, saved)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------- rows
+def prefill_row(run, m, T):
+    dense = with_engine(m, False, engine.Policy(), lambda e: time_prefill(run, e, T))
+    wide_ms = with_engine(m, True, engine.Policy(), lambda e: time_prefill(run, e, T))
+    c = m.config
+    head = c.vocab_size * c.dim  # linear FLOPs (the head for the last token only) + causal attention
+    flops = 2 * (weight_bytes(m) / m.embed_tokens.weight.element_size() - head) * T + 2 * head \
+        + 2 * c.n_layers * c.n_heads * c.head_dim * T ** 2
+    return dict(phase="prefill", batch=1, context=T, dense_ms=dense, wide_ms=wide_ms, dense_tok_s=T / dense * 1e3,
+                wide_tok_s=T / wide_ms * 1e3, speedup=dense / wide_ms, dense_TFLOPs=flops / dense / 1e9,
+                dense_GBps=weight_bytes(m) / dense / 1e6)  # weights read once: not the limit here, FLOPs are
+
+
+def decode_row(run, m, batch, context, log):
+    steps = run.steps if batch * context <= 64 * 1024 else max(1, run.steps // 2)
+    dense, wide_ms, masks = {}, {}, None
+    for attn in ("triton", "sdpa"):
+        pol = engine.Policy(dense_decode_attention=attn)
+        dense[attn] = with_engine(m, False, pol, lambda e: time_decode(run, e, batch, context, steps)[0])
+        log(f"  dense ({attn} attention): {dense[attn]:.3f} ms")
+    policies = {"default": engine.Policy()}
+    if batch > engine.Policy().sparse_decode_max_tokens:
+        policies["all sparse"] = engine.Policy(sparse_decode_max_tokens=64)
+    for name, pol in policies.items():
+        wide_ms[name], got = with_engine(m, True, pol, lambda e: time_decode(run, e, batch, context, steps))
+        masks = masks or got
+        log(f"  WIDE ({name}): {wide_ms[name]:.3f} ms, masks {got}")
+    d_attn, d_ms = min(dense.items(), key=lambda kv: kv[1])
+    w_pol, w_ms = min(wide_ms.items(), key=lambda kv: kv[1])
+    nbytes = weight_bytes(m) + kv_bytes(m, batch, context)
+    return dict(phase="decode", batch=batch, context=context, dense_ms=d_ms, wide_ms=w_ms,
+                dense_tok_s=batch / d_ms * 1e3, wide_tok_s=batch / w_ms * 1e3, speedup=d_ms / w_ms,
+                dense_GBps=nbytes / d_ms / 1e6, dense_copy_frac=nbytes / d_ms / 1e6 / COPY_GBS,
+                byte_limit_speedup=nbytes / wide_bytes(m, batch, context, masks), bytes_per_step=nbytes,
+                dense_attention=d_attn, dense_ms_by_attention=dense, wide_policy=w_pol,
+                wide_ms_by_policy=wide_ms, masks=masks, steps=steps)
+
+
+def compile_row(run, m, rows, log):
+    """The dense engine against torch.compile(mode="reduce-overhead") on model.py, same weights, batch 1."""
+    ctx = run.compile_context
+    same = next((r for r in rows if r["phase"] == "decode" and r["batch"] == 1 and r["context"] == ctx), None)
+    if same:
+        e_ms = same["dense_ms"]
+    else:
+        e_ms = with_engine(m, False, engine.Policy(), lambda e: time_decode(run, e, 1, ctx, run.steps)[0])
+    saved = routers_off(m)
+    try:
+        c_ms, compile_s = time_compiled(run, m, ctx, run.steps)
+    finally:
+        routers_on(m, saved)
+    log(f"  dense engine {e_ms:.3f} ms, torch.compile {c_ms:.3f} ms (compiled in {compile_s:.0f} s)")
+    nbytes = weight_bytes(m) + kv_bytes(m, 1, ctx)
+    return dict(phase="decode: dense engine vs torch.compile", batch=1, context=ctx, dense_ms=e_ms,
+                compiled_ms=c_ms, dense_tok_s=1e3 / e_ms, compiled_tok_s=1e3 / c_ms, engine_vs_compiled=c_ms / e_ms,
+                dense_GBps=nbytes / e_ms / 1e6, dense_copy_frac=nbytes / e_ms / 1e6 / COPY_GBS,
+                compiled_GBps=nbytes / c_ms / 1e6, compile_s=round(compile_s, 1), bytes_per_step=nbytes)
+
+
+@torch.no_grad()
+def small_rows(run, args):
+    """Masks from a trained router where one exists: generate() with the small trained model."""
+    try:
+        if run.smoke:
+            raise SystemExit
+        path = find_router_checkpoint(args.small_dir, "wide", 0.5)
+        m, wcfg = wide.load_wide(path, device=run.device, dtype=run.dtype)
+        source = f"trained checkpoint {path} (stage {wcfg.stage})"
+    except SystemExit:
+        m, wcfg = e2e_model(run, run.small_preset)
+        calibrate_routers(m, 0.5, run.calibrate_tokens // 2)
+        source = "random weights, calibrated random routers (no trained checkpoint found)"
+    cfg, rows = m.config, []
+    prompt, new = run.small_tokens
+    for batch in run.small_batches:
+        idx = torch.randint(0, cfg.vocab_size, (batch, prompt), device=run.device)
+        speed, live = {}, []
+        for name in ("wide", "dense"):
+            saved = routers_off(m) if name == "dense" else None
+            e = engine.Engine(m)
+            # WIDE: the share of groups each decode step ran (i = 0 is the prefill's token)
+            on_token = None if saved else (lambda i, tok, masks: i > 0 and live.append(
+                {k: torch.stack([x.float().mean() for x in masks[k]]).mean().item() for k in ("attn", "ffn")}))
+            generate(e, idx, min(new, 32), on_token=on_token)  # warm-up; for WIDE also the masks it chose
+            t = {}
+            generate(e, idx, new, timings=t)
+            speed[name] = t["decode_s"] / max(1, new - 1) * 1e3
+            if saved:
+                routers_on(m, saved)
+        skip = {f"{k}_skip": round(1 - sum(w[k] for w in live) / max(1, len(live)), 4) for k in ("attn", "ffn")}
+        nbytes = weight_bytes(m) + kv_bytes(m, batch, prompt)
+        rows.append(dict(phase="decode (small model)", batch=batch, context=prompt, dense_ms=speed["dense"],
+                         wide_ms=speed["wide"], dense_tok_s=batch / speed["dense"] * 1e3,
+                         wide_tok_s=batch / speed["wide"] * 1e3, speedup=speed["dense"] / speed["wide"],
+                         dense_GBps=nbytes / speed["dense"] / 1e6, masks=skip, model=source))
+    return rows
+
+
+# Issue 10's end-to-end targets: (text, phase, batch, contexts or None for any, row key, goal).
+TARGETS = [
+    ("dense engine decode, batch 1, share of the copy ceiling", "decode", 1, None, "dense_copy_frac", 0.80),
+    ("WIDE decode batch 1 (ctx 1k and 8k) vs that dense engine", "decode", 1, None, "speedup", 1.65),
+    ("WIDE prefill 4096 vs dense (O and down dense: ceiling 1.47x)", "prefill", 1, None, "speedup", 1.40),
+    ("WIDE decode batch 8, ctx 1k (mask union ~100%)", "decode", 8, (1024,), "speedup", 1.00),
+    ("WIDE decode batch 32, ctx 8k (KV-head skipping)", "decode", 32, (8192,), "speedup", 1.40),
+]
+
+
+def markdown(m):
+    rows = m["rows"]
+    pct = lambda v: f"{v:.0%}"
+    out = [f"# WIDE end to end on {m['gpu']}", "",
+           f"torch {m['torch']}, triton {m['triton']}, {m['date']}, `{m['command']}`, {m.get('wall_s', '?')} s.", "",
+           f"Model: {m['model']}. Routers: {m['routers']}. Engine: engine.Engine for both sides; the dense side "
+           "is the same model with its routers removed (decode attention: the faster of the split-KV Triton "
+           "kernel with every head on and SDPA; prefill attention: SDPA's default backend). Decode steps are "
+           f"CUDA graphs (generate.CUDAGraphDecoder) with greedy argmax. Dense GB/s = (weights + KV cache) per "
+           f"step / dense time, against the {COPY_GBS} GB/s copy ceiling; byte limit = the bytes dense reads / "
+           "the bytes WIDE must read at the masks its routers chose (the batch's union of live groups).", "",
+           "| phase | batch | context | dense tok/s | WIDE tok/s | speedup | byte limit | dense GB/s (of copy) | "
+           "skipped attn / FFN | live in batch union attn / FFN |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "wide_ms" not in r:
+            continue
+        mk = r.get("masks") or {}
+        rate = f"{r['dense_GBps']:.0f} ({pct(r['dense_GBps'] / COPY_GBS)})" if r["phase"] != "prefill" \
+            else f"({r['dense_TFLOPs']:.0f} TFLOP/s)"
+        skip = f"{pct(mk['attn_skip'])} / {pct(mk['ffn_skip'])}" if mk else ""
+        union = f"{pct(mk['attn_union_live'])} / {pct(mk['ffn_union_live'])}" if "attn_union_live" in mk else ""
+        limit = f"{r['byte_limit_speedup']:.2f}x" if "byte_limit_speedup" in r else ""
+        out.append(f"| {r['phase']} | {r['batch']} | {r['context']} | {r['dense_tok_s']:.1f} | {r['wide_tok_s']:.1f} | "
+                   f"{r['speedup']:.2f}x | {limit} | {rate} | {skip} | {union} |")
+    out += ["", "Variants (ms per step): dense by decode attention; WIDE by policy ('default' = engine.Policy(); "
+            "'all sparse' = every pruned linear through its kernel at this batch):", ""]
+    for r in rows:
+        if "dense_ms_by_attention" in r:
+            out.append(f"- batch {r['batch']}, context {r['context']}: dense "
+                       + ", ".join(f"{k} {v:.3f}" for k, v in r["dense_ms_by_attention"].items())
+                       + "; WIDE " + ", ".join(f"{k} {v:.3f}" for k, v in r["wide_ms_by_policy"].items()))
+        elif "model" in r:
+            out.append(f"- {r['phase']}, batch {r['batch']}: {r['model']}")
+    for r in rows:
+        if "compiled_ms" in r:
+            out += ["", f"Dense engine against gpt-fast's recipe on the same weights (model.py forward, routers off, "
+                    f"static KV cache, torch.compile(mode=\"reduce-overhead\", fullgraph=True), batch 1, context "
+                    f"{r['context']}): engine {r['dense_tok_s']:.1f} tok/s ({r['dense_GBps']:.0f} GB/s, "
+                    f"{pct(r['dense_copy_frac'])} of copy), torch.compile {r['compiled_tok_s']:.1f} tok/s "
+                    f"({r['compiled_GBps']:.0f} GB/s); the engine is {r['engine_vs_compiled']:.2f}x the compiled loop "
+                    f"(compilation and warm-up {r['compile_s']:.0f} s)."]
+    out += ["", "Targets (issue 10; H200, bf16, 50% of groups skipped):", "",
+            "| target | measured | goal | |", "|---|---|---|---|"]
+    for text, phase, batch, contexts, key, goal in TARGETS:
+        got = [r for r in rows if r["phase"] == phase and r["batch"] == batch and key in r
+               and (contexts is None or r["context"] in contexts)]
+        show = (lambda v: pct(v)) if key == "dense_copy_frac" else (lambda v: f"{v:.2f}x")
+        if not got:
+            out.append(f"| {text} | not measured | {show(goal)} | |")
+            continue
+        vals = ", ".join(f"{show(r[key])} (ctx {r['context']})" for r in got)
+        out.append(f"| {text} | {vals} | >= {show(goal)} | {'met' if min(r[key] for r in got) >= goal else 'missed'} |")
+    return "\n".join(out) + "\n"
+
+
+PARTS = ("prefill", "decode", "compile", "small")
+
+
+def run_e2e(run, args, argv):
+    t_start = time.time()
+    log = lambda text: print(f"[{time.time() - t_start:5.0f}s] {text}", flush=True)
+    parts = args.only.split(",") if args.only else PARTS
+    record = meta(run, "bench_e2e.py", argv, copy_GBps=COPY_GBS, budget_s=args.budget_s,
+              policy=repr(engine.Policy()), rows=[],
+              model=f"{run.preset if not run.smoke else 'tiny (--smoke)'} shape, random {str(run.dtype)[6:]} "
+                    f"weights (std 0.02); attention groups = one KV head's query heads, FFN groups of "
+                    f"{run.ffn_group_size} channels",
+              routers="wide.Router (fp32, its own init); each group's skip bias shifted to skip half of a random "
+                      f"{run.calibrate_tokens}-token prompt's tokens (2 passes)",
+              timing="CUDA events; prefill: median of 5 forwards; decode: mean over N graph replays after "
+                     f"{run.warmup} warm-up steps")
+    rows = record["rows"]
+
+    def add(make, label):
+        if time.time() - t_start > args.budget_s:
+            log(f"{label}: skipped (time budget of {args.budget_s:.0f} s spent)")
+            return
+        log(label)
+        try:
+            got = make()
+        except Exception as e:  # one failed row (e.g. out of memory) must not lose the others
+            if run.smoke:
+                raise
+            log(f"  {label}: failed: {type(e).__name__}: {str(e)[:300]}")
+            torch.cuda.empty_cache()
+            return
+        for r in got if isinstance(got, list) else [got]:
+            rows.append(dict(r, gpu=record["gpu"], torch=record["torch"], triton=record["triton"]))
+            log("  " + fmt_row(rows[-1]))
+        record["wall_s"] = round(time.time() - t_start)
+        save(args.out, record, markdown(record))
+
+    if set(parts) - {"small"}:
+        longest = max([c for _, c in run.decode] + [run.prefill, run.compile_context]) + run.steps + 64
+        m, _ = e2e_model(run, max_seq_len=longest)
+        calibrate_routers(m, 0.5, run.calibrate_tokens)
+        log(f"model ready: {weight_bytes(m) / 1e9:.2f} GB of weights read per decode step")
+        if "prefill" in parts:
+            add(lambda: prefill_row(run, m, run.prefill), f"prefill {run.prefill}")
+        for batch, context in run.decode if "decode" in parts else []:
+            add(lambda: decode_row(run, m, batch, context, log), f"decode batch {batch}, context {context}")
+            if "compile" in parts and (batch, context) == (1, run.compile_context):
+                add(lambda: compile_row(run, m, rows, log), "compile: dense engine vs torch.compile")
+        if "compile" in parts and not any("compiled_ms" in r for r in rows):
+            add(lambda: compile_row(run, m, rows, log), "compile: dense engine vs torch.compile")
+        del m
+    if "small" in parts:
+        if not run.smoke:
+            torch.cuda.empty_cache()
+        add(lambda: small_rows(run, args), "small model (masks from a trained router if there is one)")
+    record["wall_s"] = round(time.time() - t_start)
+    save(args.out, record, markdown(record))
+    print(markdown(record) + f"\nwritten: {args.out}.json, {args.out}.md")
+    return record
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help=f"comma-separated parts to run, of: {', '.join(PARTS)} (default all)")
+    p.add_argument("--decode", default="", help="decode rows as BxC,BxC (default 1x1024,1x8192,8x1024,32x8192)")
+    p.add_argument("--budget-s", type=float, default=420, help="start no new row after this many seconds (default "
+                   "420: the default set then ends within about 8 minutes on an H200)")
+    p.add_argument("--small-dir", default="out", help="where to look for a trained router checkpoint")
+    p.add_argument("--out", default=None, help="output path prefix for .json/.md (default results/e2e_h200; "
+                   "--smoke: a temporary folder)")
+    p.add_argument("--smoke", action="store_true", help="a tiny fp32 model on the CPU under TRITON_INTERPRET=1: "
+                   "runs every part, row builder and writer; times nothing meaningful")
+    args = p.parse_args(argv)
+    bad = [x for x in args.only.split(",") if x and x not in PARTS]
+    if bad:
+        sys.exit(f"error: --only {','.join(bad)}: the parts are {', '.join(PARTS)}")
+    need_device(args, "bench_e2e.py", argv)
+    run = smoke_run() if args.smoke else Run()
+    if args.decode:
+        try:
+            run.decode = [tuple(int(v) for v in bc.lower().split("x")) for bc in args.decode.split(",")]
+            assert all(len(bc) == 2 and min(bc) > 0 for bc in run.decode)
+        except (ValueError, AssertionError):
+            sys.exit(f"error: --decode {args.decode!r}: give rows as BATCHxCONTEXT, e.g. 1x1024,32x8192")
+    args.out = out_prefix(args, "e2e_h200")
+    torch.manual_seed(0)
+    return run_e2e(run, args, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,598 @@
+"""
+Kernel speed: every WIDE op against the best dense op we can build, Llama-3.1-8B shapes, bf16.
+
+  python bench_kernels.py              # correctness at every sparsity, then timings -> results/kernels_h200.{json,md}
+  python bench_kernels.py tune         # block-size sweep (passed to the ops as config=) -> results/kernels_h200_tune.{json,md}
+  python bench_kernels.py --only gate  # only the ops whose name contains "gate"
+  TRITON_INTERPRET=1 python bench_kernels.py --smoke   # the same code on the CPU: tiny fp32 shapes (CI)
+
+The protocol (BENCH.md), step by step for every op:
+ 1) Correctness first, at every sparsity that is then timed (all groups on, 25%, 50%, 75% skipped):
+    fresh random inputs, relative error against the fp32 twin <= 1e-2, pruned output slots exactly 0,
+    no NaN. A failed check stops the run.
+ 2) Millisecond-scale rows (prefill) are timed with triton.testing.do_bench medians (L2 flushed
+    between repetitions). Decode-sized rows (1-16 tokens) are judged on CUDA-graph replay, because
+    under do_bench a microsecond kernel mostly measures its host launch: one graph calls the op on
+    n rotating copies of its weights / KV cache, n chosen so that the *sparse* bytes read between two
+    uses of the same copy are at least 2x the L2 (nothing stays cached). Both times are stored.
+ 3) The dense side at its best: one cuBLAS GEMM over the fused gate+up weight [2I, D] (and the same
+    followed by SwiGLU, reported too), one fused QKV GEMM for the attention projections, SDPA with its
+    default backend for attention (flash reported too). Sparse times include everything the sparse
+    path needs: the layout (mask reordering) and the zeroing of pruned outputs.
+ 4) The sparse kernel with every group on: the ratio to dense shows kernel quality, the ratio to its
+    own sparse runs shows how well skipping turns into time.
+
+bench_e2e.py imports its shared helpers from here (meta, out_prefix, save, need_device).
+"""
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import kernels
+from kernels_attention import (attention_decode, attention_decode_ref, attention_prefill,
+                               attention_prefill_ref)
+
+COPY_GBS, MATMUL_TFLOPS = 4220, 692  # measured H200 ceilings: device-to-device copy, bf16 matmul 8192^3
+DECODE_TOKENS = kernels.SMALL_M      # rows with at most this many tokens are decode-sized: judged on graphs
+
+
+@dataclass
+class Setup:
+    """Shapes, device and dtype of a run: Llama-3.1-8B in bf16 on the GPU, or tiny fp32 shapes on the
+    CPU under the Triton interpreter (--smoke: every check, row and writer runs; times mean nothing)."""
+    D: int = 4096
+    H: int = 32
+    HKV: int = 8
+    HD: int = 128
+    FFN: int = 14336
+    ffn_gs: int = 128        # channels per FFN group
+    prefill_m: int = 4096    # tokens of the prefill-sized linear rows
+    prefill_t: int = 16384   # tokens of the causal prefill attention row
+    decode_b: int = 16       # decode attention: batch ...
+    decode_l: int = 8192     # ... and cached tokens
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cuda"
+    l2_bytes: int = 60 << 20
+    smoke: bool = False
+    sparsities: tuple = (0.25, 0.5, 0.75)
+    max_rotation_bytes: float = 24e9  # at most this much memory for the rotating copies of one case
+
+    @property
+    def attn_gs(self):  # an attention group is one KV head's query heads: H / HKV heads of HD channels
+        return self.H // self.HKV * self.HD
+
+
+def gpu_setup():
+    return Setup(l2_bytes=torch.cuda.get_device_properties(0).L2_cache_size)
+
+
+def smoke_setup():
+    # 4 attention groups (2 heads of 16 each, one KV head) and 4 FFN groups of 32 channels.
+    return Setup(D=64, H=8, HKV=4, HD=16, FFN=128, ffn_gs=32, prefill_m=32, prefill_t=32, decode_b=2,
+                 decode_l=64, dtype=torch.float32, device="cpu", l2_bytes=8 << 10, smoke=True)
+
+
+# ----------------------------------------------------------------------------------- timing helpers
+def bench_ms(s, fn):
+    """Median ms of fn(): do_bench on the GPU (L2 flushed between repetitions); --smoke: one call."""
+    if s.smoke:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def graph_ms(s, fns, reps=20):
+    """ms per call of fns[0..n-1] (each on its own copy of the data), captured in one CUDA graph and
+    replayed `reps` times after a warm-up outside the graph (Triton compiles, cuBLAS picks kernels).
+    --smoke: the same calls eagerly, once."""
+    if s.smoke:
+        t = time.perf_counter()
+        for f in fns:
+            f()
+        return (time.perf_counter() - t) * 1e3 / len(fns)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(reps):
+        g.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) / reps / len(fns)
+
+
+def rand_mask(s, shape, sparsity):
+    # Uniformly random (token, group) decisions with exactly round((1 - sparsity) * n) of them active.
+    n = math.prod(shape)
+    flat = torch.zeros(n, dtype=torch.bool, device=s.device)
+    flat[torch.randperm(n, device=s.device)[:round((1 - sparsity) * n)]] = True
+    return flat.view(shape)  # True = the group executes
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def meta(s, script, argv, **more):
+    """What every results file records: GPU, versions, date, the exact command."""
+    gpu = "CPU (--smoke, Triton interpreter: times are meaningless)" if s.smoke else torch.cuda.get_device_name()
+    return dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=" ".join(["python", script] + list(argv)), smoke=s.smoke, **more)
+
+
+def out_prefix(args, default):
+    """Where results go: results/<default> on a GPU; a fresh temporary folder with --smoke, never results/."""
+    if not args.smoke:
+        return args.out or os.path.join("results", default)
+    if args.out and os.path.abspath(args.out).startswith(os.path.abspath("results") + os.sep):
+        sys.exit("error: --smoke never writes under results/; leave --out out or point it elsewhere")
+    return args.out or os.path.join(tempfile.mkdtemp(prefix="wide-smoke-"), default)
+
+
+def save(prefix, data, markdown):
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    with open(prefix + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+    with open(prefix + ".md", "w") as f:
+        f.write(markdown)
+
+
+def need_device(args, script, argv):
+    """One clear line when the run cannot happen here (the e2e script shares it)."""
+    if args.smoke and not kernels.INTERPRET:
+        sys.exit(f"error: --smoke runs the kernels in the Triton interpreter: "
+                 f"TRITON_INTERPRET=1 python {script} {' '.join(argv)}")
+    if not args.smoke and kernels.INTERPRET:
+        sys.exit("error: TRITON_INTERPRET=1 is set, so the kernels would run in the interpreter: unset it, or add --smoke")
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit(f"error: {script} times kernels on a CUDA GPU; on a CPU, check that the code runs with "
+                 f"TRITON_INTERPRET=1 python {script} --smoke")
+
+
+# ----------------------------------------------------------------------------------- op cases
+@dataclass
+class Case:
+    """One op at one shape. dense: baseline name -> one callable per rotating copy. sparse(mask, copy,
+    config) runs the WIDE op; reference(mask) is its fp32 twin; keep(mask) says where the output may be
+    non-zero (None: everywhere). Outputs may be tuples (the QKV row). prunable: the share of the dense
+    op's bytes (decode-sized) or FLOPs (prefill) that skipped groups save."""
+    op: str
+    tokens: int
+    batch: int
+    context: int
+    mask_shape: tuple
+    flops: float      # of the dense op
+    bytes: float      # read and written by the dense op
+    prunable: float
+    copies: int       # rotating copies of the weights / KV (rotation())
+    dense: dict
+    sparse: object
+    reference: object
+    keep: object
+    baseline: tuple = ("dense",)  # dense_ms = the best of these; the other entries get speedup_vs_<name>
+
+    @property
+    def decode(self):
+        return self.tokens <= DECODE_TOKENS
+
+
+def rotation(s, tokens, nbytes, prunable):
+    """How many copies of the weights / KV to rotate: between two uses of one copy the others are read,
+    (n - 1) * (sparse bytes of one call at the highest timed sparsity) >= 2 x L2. Prefill rows: 1
+    (do_bench flushes the L2 itself)."""
+    if tokens > DECODE_TOKENS:
+        return 1
+    least = nbytes * (1 - prunable * max(s.sparsities))
+    n = math.ceil(2 * s.l2_bytes / least) + 1
+    return max(2, min(n, int(s.max_rotation_bytes // nbytes)))
+
+
+def weights(s, n, k, copies):
+    return [torch.randn(n, k, device=s.device, dtype=s.dtype) / math.sqrt(k) for _ in range(copies)]
+
+
+def with_layout(mask, config, tokens):
+    # A tuning config may carry block_m, the layout's token tile; the rest goes to the op as config=.
+    config = dict(config or {})
+    block_m = config.pop("block_m", None)
+    if block_m and tokens > DECODE_TOKENS:
+        return kernels.layout(mask, block_m=block_m), config
+    return mask, config
+
+
+def swiglu(y):
+    half = y.shape[-1] // 2
+    return F.silu(y[:, :half]) * y[:, half:]
+
+
+def case_gate_up(s, T):
+    e, I, D, gs = s.dtype.itemsize, s.FFN, s.D, s.ffn_gs
+    nbytes = e * (2 * I * D + T * D + T * I)
+    copies = rotation(s, T, nbytes, 2 * I * D * e / nbytes)
+    wgu = weights(s, 2 * I, D, copies)  # the dense side's fused [gate; up] weight; WIDE reads its halves
+    x = torch.randn(T, D, device=s.device, dtype=s.dtype)
+
+    def sparse(mask, i, config=None):
+        m, cfg = with_layout(mask, config, T)
+        return kernels.gemm_mn(x, wgu[i][:I], m, gs, w_up=wgu[i][I:], config=cfg)
+
+    return Case("gate+up (gemm_mn, fused silu*up)", T, 1, 0, (T, I // gs), 2 * T * 2 * I * D, nbytes,
+                2 * I * D * e / nbytes, copies,
+                dense={"dense": [lambda i=i: F.linear(x, wgu[i]) for i in range(copies)],
+                       "dense_swiglu": [lambda i=i: swiglu(F.linear(x, wgu[i])) for i in range(copies)]},
+                sparse=sparse, reference=lambda mask: kernels.gemm_mn_ref(
+                    x.float(), wgu[0][:I].float(), mask, gs, wgu[0][I:].float()),
+                keep=lambda mask: mask.repeat_interleave(gs, 1))
+
+
+def case_q(s, T, with_kv):
+    # Q alone: the kernel against cuBLAS. With K/V: the attention projections as the engine runs them,
+    # Q through gemm_mn (pruned) and K/V one dense GEMM (never pruned: the cache stays complete), against
+    # one dense GEMM over the fused [Q; K; V] weight.
+    e, D, NQ, gs = s.dtype.itemsize, s.D, s.H * s.HD, s.attn_gs
+    N = NQ + (2 * s.HKV * s.HD if with_kv else 0)
+    nbytes = e * (N * D + T * D + T * N)
+    copies = rotation(s, T, nbytes, NQ * D * e / nbytes)
+    w = weights(s, N, D, copies)
+    x = torch.randn(T, D, device=s.device, dtype=s.dtype)
+
+    def sparse(mask, i, config=None):
+        m, cfg = with_layout(mask, config, T)
+        q = kernels.gemm_mn(x, w[i][:NQ], m, gs, config=cfg)
+        return (q, F.linear(x, w[i][NQ:])) if with_kv else q
+
+    def reference(mask):
+        q = kernels.gemm_mn_ref(x.float(), w[0][:NQ].float(), mask, gs)
+        return (q, F.linear(x.float(), w[0][NQ:].float())) if with_kv else q
+
+    keep = lambda mask: (mask.repeat_interleave(gs, 1), None) if with_kv else mask.repeat_interleave(gs, 1)
+    name = f"Q/K/V proj (Q pruned, {gs}-ch groups; K/V dense)" if with_kv else f"q_proj (gemm_mn, {gs}-ch groups)"
+    return Case(name, T, 1, 0, (T, NQ // gs), 2 * T * N * D, nbytes, NQ * D * e / nbytes, copies,
+                dense={"dense": [lambda i=i: F.linear(x, w[i]) for i in range(copies)]}, sparse=sparse,
+                reference=reference, keep=keep)
+
+
+def case_k(s, T, K, gs, name, method="tile"):
+    e, D = s.dtype.itemsize, s.D
+    nbytes = e * (D * K + T * D + T * K)
+    copies = rotation(s, T, nbytes, D * K * e / nbytes)
+    w = weights(s, D, K, copies)
+    a = torch.randn(T, K, device=s.device, dtype=s.dtype)
+
+    def sparse(mask, i, config=None):
+        m, cfg = with_layout(mask, config, T) if method == "atomic" else (mask, config)
+        return kernels.gemm_k(a, w[i], m, gs, method=method, config=cfg)
+
+    return Case(f"{name} (gemm_k, {gs}-ch groups, {method})", T, 1, 0, (T, K // gs), 2 * T * D * K, nbytes,
+                D * K * e / nbytes, copies, dense={"dense": [lambda i=i: F.linear(a, w[i]) for i in range(copies)]},
+                sparse=sparse, reference=lambda mask: kernels.gemm_k_ref(a.float(), w[0].float(), mask, gs),
+                keep=lambda mask: None)
+
+
+def case_decode_attention(s):
+    e, B, L, H, HKV, HD = s.dtype.itemsize, s.decode_b, s.decode_l, s.H, s.HKV, s.HD
+    nbytes = e * (2 * B * HKV * L * HD + 2 * B * H * HD)
+    copies = rotation(s, 1, nbytes, 2 * B * HKV * L * HD * e / nbytes)
+    q = torch.randn(B, H, 1, HD, device=s.device, dtype=s.dtype)
+    kv = [(torch.randn(B, HKV, L, HD, device=s.device, dtype=s.dtype),
+           torch.randn(B, HKV, L, HD, device=s.device, dtype=s.dtype)) for _ in range(copies)]
+    kv_len = torch.full((B,), L, device=s.device, dtype=torch.int32)
+    G, hpg = HKV, H // HKV
+
+    def sparse(mask, i, config=None):
+        return attention_decode(q, kv[i][0], kv[i][1], mask, kv_len, config=config)
+
+    return Case("attention decode (GQA, split-KV)", 1, B, L, (B, G), 4 * B * H * L * HD, nbytes,
+                2 * B * HKV * L * HD * e / nbytes, copies,
+                dense={"dense": [lambda i=i: F.scaled_dot_product_attention(q, kv[i][0], kv[i][1], enable_gqa=True)
+                                 for i in range(copies)]}, sparse=sparse,
+                reference=lambda mask: attention_decode_ref(q.float(), kv[0][0].float(), kv[0][1].float(),
+                                                            mask, kv_len),
+                keep=lambda mask: mask.repeat_interleave(hpg, 1)[:, :, None, None].expand(B, H, 1, HD))
+
+
+def case_prefill_attention(s):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    e, T, H, HKV, HD = s.dtype.itemsize, s.prefill_t, s.H, s.HKV, s.HD
+    q = torch.randn(1, H, T, HD, device=s.device, dtype=s.dtype)
+    k, v = (torch.randn(1, HKV, T, HD, device=s.device, dtype=s.dtype) for _ in range(2))
+    kx, vx = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)  # GQA expanded once, untimed
+
+    def flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, kx, vx, is_causal=True)
+
+    def sparse(mask, i, config=None):
+        m, cfg = with_layout(mask, config, T)
+        return attention_prefill(q, k, v, m, config=cfg)
+
+    dense = {"sdpa_gqa": [lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)],
+             "sdpa_expanded": [lambda: F.scaled_dot_product_attention(q, kx, vx, is_causal=True)]}
+    if not s.smoke:  # the flash backend needs a GPU
+        dense["sdpa_flash"] = [flash]
+    return Case("attention prefill (causal, GQA)", T, 1, T, (1, T, HKV), 4 * H * T * T * HD // 2,
+                e * T * HD * (2 * H + 2 * HKV), 1.0, 1, dense=dense, sparse=sparse,
+                reference=lambda mask: attention_prefill_ref(q.float(), k.float(), v.float(), mask),
+                keep=lambda mask: mask.repeat_interleave(H // HKV, -1).permute(0, 2, 1)[..., None].expand(1, H, T, HD),
+                baseline=("sdpa_gqa", "sdpa_expanded"))
+
+
+def all_cases(s):
+    """(op name for --only, factory). Built one at a time, so only one case's copies live at once."""
+    M, long_k = s.prefill_m, s.FFN
+    return [
+        ("gate+up", lambda: case_gate_up(s, 1)),
+        ("gate+up", lambda: case_gate_up(s, 8)),
+        ("gate+up", lambda: case_gate_up(s, M)),
+        ("q_proj", lambda: case_q(s, 1, False)),
+        ("q_proj", lambda: case_q(s, M, False)),
+        ("qkv", lambda: case_q(s, 1, True)),
+        ("qkv", lambda: case_q(s, M, True)),
+        ("down", lambda: case_k(s, 1, long_k, s.ffn_gs, "down")),
+        ("down", lambda: case_k(s, M, long_k, s.ffn_gs, "down")),
+        ("down atomic", lambda: case_k(s, M, long_k, s.ffn_gs, "down", "atomic")),
+        ("o_proj", lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj")),
+        ("o_proj", lambda: case_k(s, M, s.H * s.HD, s.attn_gs, "o_proj")),
+        ("o_proj atomic", lambda: case_k(s, M, s.H * s.HD, s.attn_gs, "o_proj", "atomic")),
+        ("attention decode", lambda: case_decode_attention(s)),
+        ("attention prefill", lambda: case_prefill_attention(s)),
+    ]
+
+
+# ----------------------------------------------------------------------------------- measuring
+class CheckFailed(RuntimeError):
+    pass
+
+
+def check(case, mask, config=None):
+    """Correctness of one mask before it is timed: rel err vs the fp32 twin <= 1e-2, pruned slots
+    exactly 0, no NaN (under the interpreter every output starts as NaN, so an unwritten slot fails)."""
+    as_tuple = lambda t: t if isinstance(t, tuple) else (t,)
+    outs, refs, keeps = as_tuple(case.sparse(mask, 0, config)), as_tuple(case.reference(mask)), as_tuple(case.keep(mask))
+    err = max(rel_err(o, r) for o, r in zip(outs, refs))
+    zeros = all(bool((o[~k] == 0).all()) for o, k in zip(outs, keeps) if k is not None)
+    nan_free = not any(bool(torch.isnan(o).any()) for o in outs)
+    if not (err <= 1e-2 and zeros and nan_free):
+        raise CheckFailed(f"{case.op}, {case.tokens} tokens, {1 - mask.float().mean().item():.0%} skipped: "
+                          f"rel err {err:.2e}, pruned slots zero {zeros}, no NaN {nan_free}")
+    return dict(rel_err=err, pruned_zero=zeros, nan_free=nan_free)
+
+
+def measure(s, case):
+    """The rows of one case: one per timed sparsity, all checked first, dense and all-active shared."""
+    run = lambda mask: [functools.partial(case.sparse, mask, i) for i in range(case.copies)]
+    dense = {name: bench_ms(s, fns[0]) for name, fns in case.dense.items()}
+    dense_graph = {name: graph_ms(s, fns) for name, fns in case.dense.items()} if case.decode else {}
+    full = rand_mask(s, case.mask_shape, 0.0)
+    full_check = check(case, full)
+    all_ms = bench_ms(s, run(full)[0])
+    all_graph_ms = graph_ms(s, run(full)) if case.decode else None
+    best = min(case.baseline, key=dense.get)
+    rows = []
+    for sp in s.sparsities:
+        mask = rand_mask(s, case.mask_shape, sp)
+        active = mask.float().mean().item()
+        ok = check(case, mask)
+        sparse_ms = bench_ms(s, run(mask)[0])
+        share = 1 - case.prunable + case.prunable * active  # of the dense op's bytes (or FLOPs) still needed
+        row = dict(op=case.op, tokens=case.tokens, batch=case.batch, context=case.context, sparsity=sp,
+                   realized_active=round(active, 4), timing="cuda_graph" if case.decode else "do_bench",
+                   dense_baseline=best, dense_ms=dense[best], sparse_ms=sparse_ms, speedup=dense[best] / sparse_ms,
+                   ideal_speedup=1 / share, all_active_ms=all_ms, **ok,
+                   all_active_rel_err=full_check["rel_err"], copies=case.copies)
+        for name, ms in dense.items():
+            if name != "dense":
+                row[f"{name}_ms"] = ms
+            if name not in case.baseline:
+                row[f"speedup_vs_{name}"] = ms / sparse_ms
+        judged_dense, judged_sparse = dense[best], sparse_ms
+        if case.decode:
+            sparse_graph = graph_ms(s, run(mask))
+            row.update(dense_graph_ms=dense_graph[best], sparse_graph_ms=sparse_graph,
+                       graph_speedup=dense_graph[best] / sparse_graph, all_active_graph_ms=all_graph_ms,
+                       reuse_bytes=round((case.copies - 1) * share * case.bytes), l2_bytes=s.l2_bytes)
+            for name, ms in dense_graph.items():
+                if name not in case.baseline:
+                    row[f"{name}_graph_ms"] = ms
+                    row[f"graph_speedup_vs_{name}"] = ms / sparse_graph
+            judged_dense, judged_sparse = dense_graph[best], sparse_graph
+        row["judged_speedup"] = judged_dense / judged_sparse
+        if case.decode:  # rates from the judged (graph) times
+            row["dense_GBps"] = case.bytes / judged_dense / 1e6
+            row["sparse_useful_GBps"] = share * case.bytes / judged_sparse / 1e6
+        else:
+            row["dense_TFLOPs"] = case.flops / judged_dense / 1e9
+            row["sparse_useful_TFLOPs"] = share * case.flops / judged_sparse / 1e9
+        rows.append(row)
+        print(f"  {sp:.0%} skipped: rel err {ok['rel_err']:.1e}; dense {judged_dense * 1e3:.1f} us, WIDE "
+              f"{judged_sparse * 1e3:.1f} us ({row['timing']}): {row['judged_speedup']:.2f}x, do_bench "
+              f"{row['speedup']:.2f}x, ideal {row['ideal_speedup']:.2f}x", flush=True)
+    return rows
+
+
+# Issue 10's kernel targets, at 50% of the groups skipped: (text, op prefix, tokens, row key, goal).
+TARGETS = [
+    ("gate+up fused, 1 token, CUDA graph", "gate+up", 1, "graph_speedup", 1.85),
+    ("down (gemm_k), 1 token, CUDA graph", "down (gemm_k", 1, "graph_speedup", 1.80),
+    ("decode attention B16 L8192, CUDA graph", "attention decode", 1, "graph_speedup", 1.85),
+    ("causal prefill attention 16k vs SDPA default", "attention prefill", "prefill_t", "speedup", 1.80),
+    ("gate+up fused, 4096 tokens, vs cuBLAS", "gate+up", "prefill_m", "speedup", 1.75),
+    ("gate+up fused, 4096 tokens, vs cuBLAS + SwiGLU", "gate+up", "prefill_m", "speedup_vs_dense_swiglu", 1.85),
+]
+
+
+def target_lines(s, rows):
+    out = ["| target (50% of groups skipped) | measured | goal | |", "|---|---|---|---|"]
+    for text, op, tokens, key, goal in TARGETS:
+        tokens = getattr(s, tokens) if isinstance(tokens, str) else tokens
+        r = next((r for r in rows if r["op"].startswith(op) and r["tokens"] == tokens
+                  and r["sparsity"] == 0.5 and key in r), None)
+        got = f"{r[key]:.2f}x" if r else "not measured"
+        verdict = ("met" if r[key] >= goal else "missed") if r else ""
+        out.append(f"| {text} | {got} | >= {goal}x | {verdict} |")
+    return out
+
+
+def markdown(s, m, rows):
+    us = lambda ms: f"{ms * 1e3:.1f}"
+    out = [f"# WIDE kernels on {m['gpu']}", "",
+           f"torch {m['torch']}, triton {m['triton']}, {m['date']}, `{m['command']}`. {m['about']}", "",
+           "| op | tokens | batch | context | sparsity | judged by | dense us | WIDE us | speedup | ideal | "
+           "do_bench speedup | vs other dense | all groups on, us | useful rate | copies | rel err |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        g = r["timing"] == "cuda_graph"
+        d, w, a = ((r["dense_graph_ms"], r["sparse_graph_ms"], r["all_active_graph_ms"]) if g
+                   else (r["dense_ms"], r["sparse_ms"], r["all_active_ms"]))
+        prefix = "graph_speedup_vs_" if g else "speedup_vs_"
+        other = ", ".join(f"{k[len(prefix):]} {v:.2f}x" for k, v in r.items() if k.startswith(prefix))
+        rate = (f"{r['sparse_useful_GBps']:.0f} GB/s" if "sparse_useful_GBps" in r
+                else f"{r['sparse_useful_TFLOPs']:.0f} TFLOP/s")
+        out.append(f"| {r['op']} | {r['tokens']} | {r['batch']} | {r['context']} | {r['sparsity']:.2f} | "
+                   f"{'CUDA graph' if g else 'do_bench'} | {us(d)} | {us(w)} | {r['judged_speedup']:.2f}x | "
+                   f"{r['ideal_speedup']:.2f}x | {r['speedup']:.2f}x | {other} | {us(a)} | {rate} | "
+                   f"{r['copies']} | {r['rel_err']:.1e} |")
+    return "\n".join(out + ["", "Targets (issue 10):", ""] + target_lines(s, rows)) + "\n"
+
+
+ABOUT = ("{dtype}, shapes D {D}, {H} q / {HKV} kv heads of {HD}, FFN {FFN}; random group masks (sparsity = "
+         "share of groups skipped), checked against the fp32 twin at every sparsity before timing. Decode-sized "
+         "rows (<= {dt} tokens) are judged on CUDA-graph replay over 'copies' rotating weight/KV copies "
+         "(sparse bytes read between two uses of a copy >= 2x the {l2:.0f} MB L2); their do_bench speedup "
+         "is shown too. Larger rows: do_bench medians, L2 flushed. WIDE times include the layout and output "
+         "zeroing. Dense: one cuBLAS GEMM over the fused weight (gate+up [2I, D]; Q/K/V [(H+2Hkv)d, D]), SDPA's "
+         "default backend for attention. 'ideal' = dense bytes (decode) or FLOPs (prefill) / the share still "
+         "needed; 'useful rate' = that share / WIDE time (copy ceiling {copy} GB/s, bf16 matmul {mm} TFLOP/s).")
+
+
+def run_kernels(s, args, argv):
+    rows = []
+    for name, factory in all_cases(s):
+        if args.only and args.only not in name:
+            continue
+        case = factory()
+        print(f"{case.op}: tokens {case.tokens}, batch {case.batch}, context {case.context}, "
+              f"{case.copies} copies", flush=True)
+        rows += measure(s, case)
+        del case
+        if not s.smoke:
+            torch.cuda.empty_cache()
+    about = ABOUT.format(dtype=str(s.dtype).replace("torch.", ""), D=s.D, H=s.H, HKV=s.HKV, HD=s.HD, FFN=s.FFN,
+                         dt=DECODE_TOKENS, l2=s.l2_bytes / 2 ** 20, copy=COPY_GBS, mm=MATMUL_TFLOPS)
+    m = meta(s, "bench_kernels.py", argv, about=about, configs=kernels.CONFIGS, l2_MB=s.l2_bytes / 2 ** 20,
+             ceilings=dict(copy_GBps=COPY_GBS, bf16_matmul_TFLOPs=MATMUL_TFLOPS))
+    md = markdown(s, m, rows)
+    save(args.out, dict(meta=m, rows=rows), md)
+    print(md + f"\nwritten: {args.out}.json, {args.out}.md")
+    return rows
+
+
+# ----------------------------------------------------------------------------------- tuning
+# CONFIGS key -> (case, block-size variants). Each variant goes to the op as config= (and block_m to the
+# layout); kernels.CONFIGS itself is never changed, and its current entry is always timed first. Copy a
+# winner into kernels.py by hand.
+def tune_table(s):
+    M, FFN = s.prefill_m, s.FFN
+    v = lambda warps, stages, **sizes: dict(sizes, num_warps=warps, num_stages=stages)
+    return {
+        "gemm_mn_fused": (lambda: case_gate_up(s, M), [v(8, 2, block_m=128, BN=128, BK=128),
+                                                       v(8, 4, block_m=256, BN=64, BK=64)]),
+        "gemv_mn_1": (lambda: case_gate_up(s, 1), [v(4, 1, BN=4, BK=1024, programs_per_sm=4),
+                                                   v(4, 1, BN=8, BK=512, programs_per_sm=4),
+                                                   v(4, 1, BN=2, BK=1024, programs_per_sm=8)]),
+        "gemm_k": (lambda: case_k(s, M, FFN, s.ffn_gs, "down"), [v(8, 4, BM=128, BN=128, BK=64)]),
+        "gemm_k_small_long_k": (lambda: case_k(s, 1, FFN, s.ffn_gs, "down"), [
+            v(4, 4, BM=16, BN=32, BK=128, SPLIT=4), v(4, 6, BM=16, BN=64, BK=128, SPLIT=8)]),
+        "attn_prefill": (lambda: case_prefill_attention(s), [v(8, 2, BM=128, BN=128)]),
+        "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, SPLIT=1024), v(4, 4, BN=64, SPLIT=2048)]),
+    }
+
+
+def run_tune(s, args, argv):
+    """Every variant checked (all groups on and 50% skipped) and timed as the kernel table times it."""
+    results = {}
+    for key, (factory, variants) in tune_table(s).items():
+        if args.only and args.only not in key:
+            continue
+        case = factory()
+        half, full = rand_mask(s, case.mask_shape, 0.5), rand_mask(s, case.mask_shape, 0.0)
+        time_it = ((lambda mask, cfg: graph_ms(s, [functools.partial(case.sparse, mask, i, cfg)
+                                                   for i in range(case.copies)]))
+                   if case.decode else (lambda mask, cfg: bench_ms(s, functools.partial(case.sparse, mask, 0, cfg))))
+        dense_fns = case.dense[case.baseline[0]]
+        dense_ms = graph_ms(s, dense_fns) if case.decode else bench_ms(s, dense_fns[0])
+        print(f"{key} ({case.op}, {case.tokens} tokens): dense {dense_ms * 1e3:.1f} us, "
+              f"current {kernels.CONFIGS[key]}", flush=True)
+        results[key] = dict(op=case.op, tokens=case.tokens, timing="cuda_graph" if case.decode else "do_bench",
+                            dense_ms=dense_ms, current=kernels.CONFIGS[key], variants=[])
+        for v in [dict(kernels.CONFIGS[key])] + [v for v in variants if v != kernels.CONFIGS[key]]:
+            try:
+                checks = [check(case, full, v), check(case, half, v)]
+                ms, all_ms = time_it(half, v), time_it(full, v)
+                results[key]["variants"].append(dict(config=v, ms=ms, speedup=dense_ms / ms, all_active_ms=all_ms,
+                                                     rel_err=max(c["rel_err"] for c in checks)))
+                print(f"  {v}: {ms * 1e3:.1f} us ({dense_ms / ms:.2f}x), all groups on {all_ms * 1e3:.1f} us",
+                      flush=True)
+            except Exception as e:  # e.g. out of shared memory: the next variant may fit
+                results[key]["variants"].append(dict(config=v, failed=f"{type(e).__name__}: {str(e)[:200]}"))
+                print(f"  {v}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        del case
+    m = meta(s, "bench_kernels.py", argv, l2_MB=s.l2_bytes / 2 ** 20)
+    lines = [f"# Block-size sweep on {m['gpu']}", "", f"torch {m['torch']}, triton {m['triton']}, {m['date']}, "
+             f"`{m['command']}`. 50% of groups skipped; decode-sized ops timed on CUDA-graph replay.", "",
+             "| CONFIGS key | op | tokens | config | us | speedup | all groups on, us |", "|---|---|---|---|---|---|---|"]
+    for key, r in results.items():
+        for v in r["variants"]:
+            cells = ("failed", "", "") if "failed" in v else (f"{v['ms'] * 1e3:.1f}", f"{v['speedup']:.2f}x",
+                                                               f"{v['all_active_ms'] * 1e3:.1f}")
+            lines.append(f"| {key} | {r['op']} | {r['tokens']} | `{v['config']}` | " + " | ".join(cells) + " |")
+    save(args.out + "_tune", dict(meta=m, results=results), "\n".join(lines) + "\n")
+    print("\n".join(lines) + f"\n\nwritten: {args.out}_tune.json, {args.out}_tune.md")
+    return results
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", nargs="?", default="kernels", choices=["kernels", "tune"])
+    p.add_argument("--only", default="", help="only the ops (or, with tune, CONFIGS keys) whose name contains this")
+    p.add_argument("--out", default=None, help="output path prefix for .json/.md (default results/kernels_h200; "
+                   "--smoke: a temporary folder)")
+    p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU under TRITON_INTERPRET=1: "
+                   "runs every check and writer, times nothing meaningful")
+    args = p.parse_args(argv)
+    need_device(args, "bench_kernels.py", argv)
+    args.out = out_prefix(args, "kernels_h200")
+    s = smoke_setup() if args.smoke else gpu_setup()
+    torch.manual_seed(0)
+    try:
+        return (run_tune if args.what == "tune" else run_kernels)(s, args, argv)
+    except CheckFailed as e:
+        sys.exit(f"error: correctness check failed, nothing timed past it: {e}")
+
+
+if __name__ == "__main__":
+    main()

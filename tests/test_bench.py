@@ -1,0 +1,150 @@
+"""The benchmark scripts keep working: each --smoke mode runs the whole benchmark code path (every
+correctness check, row builder and results writer) on tiny fp32 shapes in the Triton interpreter, and
+the JSON it writes has the fields that results/ promises. The timings of a smoke run mean nothing;
+speed is measured on the GPU with `python bench_kernels.py` and `python bench_e2e.py`, never here."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPARSITIES = {0.25, 0.5, 0.75}
+
+
+def smoke(tmp_path, script, *args):
+    """Run `script --smoke` in a fresh interpreter (the same on a GPU machine); the JSON it wrote."""
+    out = str(tmp_path / "bench")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, script, *args, "--smoke", "--out", out], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    prefix = out + ("_tune" if "tune" in args else "")
+    with open(prefix + ".json") as f, open(prefix + ".md") as g:
+        return json.load(f), g.read()
+
+
+@pytest.fixture(scope="module")
+def kernel_run(tmp_path_factory):
+    return smoke(tmp_path_factory.mktemp("kernels"), "bench_kernels.py")
+
+
+@pytest.fixture(scope="module")
+def e2e_run(tmp_path_factory):
+    return smoke(tmp_path_factory.mktemp("e2e"), "bench_e2e.py")
+
+
+def assert_meta(meta, script):
+    for key in ("gpu", "torch", "triton", "date", "command"):
+        assert meta.get(key), f"results must record {key}"
+    assert meta["command"].startswith(f"python {script}") and meta["smoke"] is True
+
+
+def test_every_kernel_row_is_checked_at_its_own_sparsity(kernel_run):
+    data, _ = kernel_run
+    assert_meta(data["meta"], "bench_kernels.py")
+    by_case = {}
+    for r in data["rows"]:
+        by_case.setdefault((r["op"], r["tokens"]), set()).add(r["sparsity"])
+        assert r["rel_err"] <= 1e-2 and r["all_active_rel_err"] <= 1e-2
+        assert r["pruned_zero"] is True and r["nan_free"] is True
+        assert 0 < r["realized_active"] < 1 and abs(r["realized_active"] - (1 - r["sparsity"])) < 0.15
+    assert all(s == SPARSITIES for s in by_case.values()), by_case
+    ops = {op.split(" (")[0] for op, _ in by_case}
+    assert {"gate+up", "q_proj", "Q/K/V proj", "down", "o_proj", "attention decode", "attention prefill"} <= ops
+
+
+def test_decode_sized_kernel_rows_are_judged_on_cuda_graphs_and_keep_do_bench(kernel_run):
+    rows = kernel_run[0]["rows"]
+    decode = [r for r in rows if r["tokens"] <= 16]
+    prefill = [r for r in rows if r["tokens"] > 16]
+    assert decode and prefill
+    for r in decode:
+        assert r["timing"] == "cuda_graph" and r["judged_speedup"] == r["graph_speedup"]
+        assert r["dense_graph_ms"] > 0 and r["sparse_graph_ms"] > 0 and r["all_active_graph_ms"] > 0
+        assert r["dense_ms"] > 0 and r["sparse_ms"] > 0 and "speedup" in r  # do_bench too
+        assert "dense_GBps" in r and "sparse_useful_GBps" in r
+    for r in prefill:
+        assert r["timing"] == "do_bench" and "graph_speedup" not in r and r["judged_speedup"] == r["speedup"]
+        assert "dense_TFLOPs" in r
+
+
+def test_rotating_copies_put_twice_the_l2_between_reuses_at_every_sparsity(kernel_run):
+    for r in kernel_run[0]["rows"]:
+        if r["tokens"] <= 16:
+            assert r["copies"] >= 2 and r["reuse_bytes"] >= 2 * r["l2_bytes"], r
+        else:
+            assert r["copies"] == 1  # do_bench flushes the L2 between repetitions
+
+
+def test_dense_side_is_fused_gate_up_with_and_without_swiglu(kernel_run):
+    rows = kernel_run[0]["rows"]
+    gate_up = [r for r in rows if r["op"].startswith("gate+up")]
+    assert {r["tokens"] for r in gate_up} >= {1, 8}
+    for r in gate_up:
+        assert r["dense_swiglu_ms"] > 0 and r["speedup_vs_dense_swiglu"] > 0
+        if r["tokens"] <= 16:
+            assert r["graph_speedup_vs_dense_swiglu"] > 0
+    prefill_attention = [r for r in rows if r["op"].startswith("attention prefill")]
+    assert all(r["dense_baseline"] in ("sdpa_gqa", "sdpa_expanded") for r in prefill_attention)
+
+
+def test_kernel_markdown_has_the_table_and_every_target(kernel_run):
+    _, md = kernel_run
+    import bench_kernels
+    assert "| op | tokens |" in md and "CUDA graph" in md and "do_bench" in md
+    for text, *_ in bench_kernels.TARGETS:
+        assert f"| {text} |" in md
+
+
+def test_tune_times_each_config_passed_to_the_op(tmp_path):
+    data, md = smoke(tmp_path, "bench_kernels.py", "tune", "--only", "attn_decode")
+    assert list(data["results"]) == ["attn_decode"]
+    variants = data["results"]["attn_decode"]["variants"]
+    assert len(variants) >= 2 and all("failed" not in v and v["ms"] > 0 and v["rel_err"] <= 1e-2 for v in variants)
+    assert variants[0]["config"] == data["results"]["attn_decode"]["current"]  # today's CONFIGS entry first
+    assert "| attn_decode |" in md
+
+
+def test_e2e_rows_carry_dense_bandwidth_and_the_byte_limit(e2e_run):
+    data, md = e2e_run
+    assert_meta(data, "bench_e2e.py")
+    rows = data["rows"]
+    assert {r["phase"] for r in rows} == {"prefill", "decode", "decode: dense engine vs torch.compile",
+                                          "decode (small model)"}
+    for r in rows:
+        assert r["dense_GBps"] > 0 and r["dense_tok_s"] > 0
+    decode = [r for r in rows if r["phase"] == "decode"]
+    assert {r["batch"] for r in decode} == {1, 6}
+    for r in decode:
+        assert 0 < r["dense_copy_frac"] and r["byte_limit_speedup"] >= 1 and r["wide_tok_s"] > 0
+        assert set(r["dense_ms_by_attention"]) == {"triton", "sdpa"}
+        assert set(r["masks"]) == {"attn_skip", "ffn_skip", "attn_union_live", "ffn_union_live"}
+    assert set(next(r for r in decode if r["batch"] == 6)["wide_ms_by_policy"]) == {"default", "all sparse"}
+
+
+def test_e2e_compares_the_dense_engine_with_torch_compile_once(e2e_run):
+    data, md = e2e_run
+    compiled = [r for r in data["rows"] if "compiled_ms" in r]
+    assert len(compiled) == 1
+    r = compiled[0]
+    assert r["batch"] == 1 and r["dense_tok_s"] > 0 and r["compiled_tok_s"] > 0 and "compiled_GBps" in r
+    assert "torch.compile" in md and "tok/s" in md
+
+
+def test_e2e_markdown_lists_every_target_with_a_verdict(e2e_run):
+    _, md = e2e_run
+    import bench_e2e
+    for text, *_ in bench_e2e.TARGETS:
+        line = next(l for l in md.splitlines() if l.startswith(f"| {text} |"))
+        assert line.endswith(("| met |", "| missed |", "| |"))
+
+
+def test_smoke_never_writes_under_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "bench_e2e.py", "--smoke", "--out", "results/e2e_smoke"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "results/" in r.stderr
+    assert not os.path.exists(os.path.join(ROOT, "results", "e2e_smoke.json"))
