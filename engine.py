@@ -142,7 +142,10 @@ class Engine:
         self.model, self.config, self.policy = model, model.config, policy or Policy()
         with torch.no_grad():
             self.fused = {id(layer): fuse_weights(layer) for layer in model.layers}  # -> (wqkv, wgu)
-        self.ticket = torch.zeros(1, dtype=torch.int32, device=model.embed_tokens.weight.device)  # norm_route
+        device = model.embed_tokens.weight.device
+        # Zeroed counters the kernels take tickets from and leave zero again (norm_route; gemm_k's split).
+        self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
+        self.tickets = torch.zeros(4096, dtype=torch.int32, device=device)
 
     def setup_caches(self, *args, **kwargs):
         return self.model.setup_caches(*args, **kwargs)
@@ -198,10 +201,14 @@ class Engine:
         the router (norm_route), so a decode step has no separate launches for them."""
         wqkv, wgu = self.fused[id(layer)]
         n, head_mask = self.norm_route(x, layer.input_layernorm, layer.attn_router, masks, "attn")
-        a = self.attention(layer.self_attn, wqkv, n, step, head_mask)
-        (h, n), channel_mask = self.norm_route(a, layer.post_attention_layernorm, layer.ffn_router, masks,
-                                               "ffn", residual=x)  # h = x + a
-        return h + self.ffn(layer.mlp, wgu, n, channel_mask)
+        a, added = self.attention(layer.self_attn, wqkv, n, step, head_mask, residual=x)
+        if added:  # the O projection's kernel already formed h = x + a
+            h = a
+            n, channel_mask = self.norm_route(h, layer.post_attention_layernorm, layer.ffn_router, masks, "ffn")
+        else:      # the norm's kernel forms it: (h, norm(h)) with h = x + a
+            (h, n), channel_mask = self.norm_route(a, layer.post_attention_layernorm, layer.ffn_router, masks,
+                                                   "ffn", residual=x)
+        return self.ffn(layer.mlp, wgu, n, channel_mask, residual=h)  # h + FFN(n)
 
     def norm_route(self, x, norm, router, masks, kind, residual=None):
         """(norm(x) or (h, norm(h)) with h = residual + x, and the router's decision on x or h as a bool
@@ -221,8 +228,10 @@ class Engine:
             masks.setdefault(kind, []).append(keepf)
         return normed, keep
 
-    def attention(self, attn, wqkv, x, step, head_mask):
-        """Attention with head_mask bool [B, T, G] or None (dense); wqkv = [Wq; Wk; Wv] (fuse_weights)."""
+    def attention(self, attn, wqkv, x, step, head_mask, residual):
+        """Attention with head_mask bool [B, T, G] or None (dense); wqkv = [Wq; Wk; Wv] (fuse_weights).
+        Returns (residual + attention, True) where the O projection's kernel adds the residual in its
+        epilogue, else (attention, False)."""
         B, T, _ = x.shape
         M, H, Hkv, d = B * T, attn.n_heads, attn.n_kv_heads, attn.head_dim
         nq = H * d
@@ -258,11 +267,12 @@ class Engine:
                                                enable_gqa=Hkv != H)
         y = y.transpose(1, 2).reshape(M, H * d)  # pruned heads are exact zeros here
         if head_mask is not None and sparse_k:
-            return kernels.gemm_k(y, attn.o_proj.weight, mask, gs).view(B, T, -1)
-        return F.linear(y, attn.o_proj.weight).view(B, T, -1)
+            return kernels.gemm_k(y, attn.o_proj.weight, mask, gs, residual=residual.reshape(M, -1),
+                                  tickets=self.tickets).view(B, T, -1), True
+        return F.linear(y, attn.o_proj.weight).view(B, T, -1), False
 
-    def ffn(self, mlp, wgu, x, channel_mask):
-        """SwiGLU FFN with channel_mask bool [B, T, G] or None (dense); wgu = [Wgate; Wup] (fuse_weights)."""
+    def ffn(self, mlp, wgu, x, channel_mask, residual):
+        """residual + SwiGLU FFN, with channel_mask bool [B, T, G] or None (dense); wgu = [Wgate; Wup]."""
         B, T, D = x.shape
         M = B * T
         x2 = x.reshape(M, D)
@@ -271,7 +281,7 @@ class Engine:
             g, u = F.linear(x2, wgu).split(I, dim=-1)  # gate and up in one GEMM
             a = F.silu(g) * u
             if channel_mask is None:
-                return F.linear(a, wd).view(B, T, D)
+                return residual + F.linear(a, wd).view(B, T, D)
         mask, gs = channel_mask.reshape(M, -1), I // channel_mask.shape[-1]
         if self.policy.sparse(M, "mn"):
             # gate+up fused, active channel groups only, silu(gate)*up in the epilogue, pruned slots 0.
@@ -279,9 +289,9 @@ class Engine:
             a = kernels.gemm_mn(x2, wgu[:I], lay, gs, w_up=wgu[I:])
         else:
             a = (a.view(M, -1, gs) * mask[..., None]).view(M, -1)  # zero the pruned channel groups
-        if self.policy.sparse(M, "k"):
-            return kernels.gemm_k(a, wd, mask, gs).view(B, T, D)
-        return F.linear(a, wd).view(B, T, D)  # exact: the pruned channels of `a` are zero
+        if self.policy.sparse(M, "k"):  # the residual add in the kernel's epilogue
+            return kernels.gemm_k(a, wd, mask, gs, residual=residual.reshape(M, D), tickets=self.tickets).view(B, T, D)
+        return residual + F.linear(a, wd).view(B, T, D)  # exact: the pruned channels of `a` are zero
 
 
 # ----------------------------------------------------------------------------------------------------

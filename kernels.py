@@ -416,9 +416,10 @@ def _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
 
 
 @triton.jit
-def _gemm_k_kernel(a, w, out, mask, live_list, M, N, K, G, sam, swn, som,
+def _gemm_k_kernel(a, w, out, res, part, tickets, mask, live_list, M, N, K, G, sam, swn, som,
                    GS: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                   BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, HAS_RES: tl.constexpr,
+                   IEEE: tl.constexpr):
     """out[t, n] = sum over the groups g that token t runs of a[t, g-slice] . w[n, g-slice].
 
     Grid (cdiv(M,BM) * cdiv(N,BN),), L2-grouped. Tokens stay in their original order, so the
@@ -428,8 +429,9 @@ def _gemm_k_kernel(a, w, out, mask, live_list, M, N, K, G, sam, swn, som,
     a-rows of inactive tokens are predicated off (intra-block skip: pruned slots are never read,
     so garbage there is harmless). With M <= 16 this is the decode GEMV; there a tile has too few
     rows to keep the memory system busy, so SPLIT > 1 programs (grid axis 1) share a tile's live
-    groups, each writing an fp32 partial [SPLIT, M, N] that the host sums in a fixed order (still
-    deterministic). Twin: gemm_k_ref.
+    groups, each writing an fp32 partial [SPLIT, M, N]; the last of them to take the tile's ticket
+    sums the partials in a fixed order (still deterministic) and writes the result. HAS_RES: the
+    epilogue adds a residual, rounded as `res + (a @ w.T)` is. Twin: gemm_k_ref.
     """
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
@@ -463,8 +465,21 @@ def _gemm_k_kernel(a, w, out, mask, live_list, M, N, K, G, sam, swn, som,
         for it in range(split * per * STEPS, tl.minimum(split * per + per, n_live) * STEPS):
             acc = _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
                                it % STEPS, G, sam, swn, GS, BK, IEEE)
-    tl.store(out + split * M * N + rows[:, None] * som + cols[None, :], acc.to(out.dtype.element_ty),
-             mask=rok[:, None] & cok[None, :])
+    ok = rok[:, None] & cok[None, :]
+    offs = rows[:, None] * som + cols[None, :]
+    if SPLIT > 1:
+        tl.store(part + split * M * N + offs, acc, mask=ok)
+        tl.debug_barrier()  # this program's partial is stored before its ticket is taken (release)
+        if tl.atomic_add(tickets + pid, 1) != SPLIT - 1:
+            return
+        tl.atomic_xchg(tickets + pid, 0)  # the last of the tile's SPLIT programs: reset, then reduce
+        acc = tl.load(part + offs, mask=ok, other=0.0, cache_modifier=".cg")
+        for s in range(1, SPLIT):
+            acc += tl.load(part + s * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
+    y = acc.to(out.dtype.element_ty)
+    if HAS_RES:
+        y = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(out.dtype.element_ty)
+    tl.store(out + offs, y, mask=ok)
 
 
 @triton.jit
@@ -499,14 +514,19 @@ def _gemm_k_atomic_kernel(a, w, out32, counts, perm, work, M, N, T, sam, swn,
                   mask=ok[:, None] & (cols < N)[None, :], sem="relaxed")
 
 
-def gemm_k_ref(a, w, mask, group_size):
-    """(a with the pruned groups' columns set to 0) @ w.T. Pruned inputs are never read."""
+def gemm_k_ref(a, w, mask, group_size, residual=None):
+    """(a with the pruned groups' columns set to 0) @ w.T (+ residual). Pruned inputs are never read."""
     keep = _flat_mask(mask).repeat_interleave(group_size, dim=1)
-    return torch.where(keep, a, torch.zeros((), dtype=a.dtype, device=a.device)) @ w.t()
+    y = torch.where(keep, a, torch.zeros((), dtype=a.dtype, device=a.device)) @ w.t()
+    return y if residual is None else residual + y
 
 
-def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None):
+def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residual=None, tickets=None):
     """Masked linear with reduction groups: a[M,K], w[N,K], mask [M, K/group_size] -> [M,N].
+
+    residual [M, N]: return residual + (that result), the add fused into the kernel ("tile" only).
+    tickets: int32 zeros, one per output tile, for the decode split (the kernel leaves them zero, so a
+    CUDA graph can replay it; an engine keeps one buffer); None allocates them.
 
     method="tile" (default): deterministic, no atomics (see _gemm_k_kernel).
     method="atomic": per-group sorted tiles + fp32 atomics (the authors' scheme; not deterministic).
@@ -532,19 +552,25 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None):
                                     a.stride(0), w.stride(0), GS=group_size, BM=lay.block_m,
                                     BN=cfg["BN"], BK=_pow2_divisor(group_size, cfg["BK"]),
                                     IEEE=ieee, **_launch(cfg))
-        return out32.to(a.dtype)
+        return out32.to(a.dtype) if residual is None else residual + out32.to(a.dtype)
     assert method in ("tile", "atomic"), "method must be 'tile' or 'atomic'"
     small = "gemm_k_small_long_k" if K >= LONG_K else "gemm_k_small"
     cfg = _config(small if M <= SMALL_M else "gemm_k", config)
     split = cfg.get("SPLIT", 1)
-    # With SPLIT > 1 the programs write fp32 partials over the live groups, summed below.
-    out = _empty((M, N), a.dtype, a.device) if split == 1 else _empty((split, M, N), torch.float32, a.device)
+    out = _empty((M, N), a.dtype, a.device)
+    # With SPLIT > 1 the programs write fp32 partials over the live groups; the last one reduces them.
+    part = _empty((split, M, N), torch.float32, a.device) if split > 1 else out
     m = _flat_mask(mask_or_layout).view(torch.uint8)
     grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]), split)
+    if tickets is None:
+        tickets = torch.zeros(grid[0], dtype=torch.int32, device=a.device)
+    assert tickets.numel() >= grid[0], "one ticket per output tile"
+    if residual is not None:
+        residual = residual.contiguous()
     GP = max(2, triton.next_power_of_2(G))
     live_list = _empty((grid[0] * split, GP), torch.int32, a.device)
-    _gemm_k_kernel[grid](a, w, out, m, live_list, M, N, K, G, a.stride(0), w.stride(0), N,
-                         GS=group_size, GP=GP, BM=cfg["BM"], BN=cfg["BN"],
-                         BK=_pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, SPLIT=split, IEEE=ieee,
-                         **_launch(cfg))
-    return out if split == 1 else out.sum(0).to(a.dtype)
+    _gemm_k_kernel[grid](a, w, out, residual if residual is not None else out, part, tickets, m, live_list,
+                         M, N, K, G, a.stride(0), w.stride(0), N, GS=group_size, GP=GP, BM=cfg["BM"],
+                         BN=cfg["BN"], BK=_pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, SPLIT=split,
+                         HAS_RES=residual is not None, IEEE=ieee, **_launch(cfg))
+    return out

@@ -130,6 +130,18 @@ def test_decode_gemm_k_with_a_long_reduction_splits_the_live_groups(launches):
     assert grid[1] == kernels.CONFIGS["gemm_k_small_long_k"]["SPLIT"] > 1, grid
 
 
+@pytest.mark.parametrize("M, K", [(1, 24 * 16), (3, 64 * 16), (21, 24 * 16)])  # split, split, plain
+def test_gemm_k_adds_the_residual_in_its_epilogue_and_leaves_its_tickets_at_zero(M, K):
+    gen = torch.Generator().manual_seed(12 + M)
+    a, w, res = randn(M, K, gen=gen), randn(40, K, gen=gen), randn(M, 40, gen=gen)
+    mask = make_mask((M, K // 16), 0.5, gen)
+    tickets = torch.zeros(64, dtype=torch.int32, device=DEV)
+    for _ in range(2):  # tickets back at zero: a second launch (a graph replay) reduces again
+        out = kernels.gemm_k(a, w, mask, 16, residual=res, tickets=tickets)
+        assert (tickets == 0).all()
+        assert_close(out, kernels.gemm_k_ref(a, w, mask, 16, residual=res))
+
+
 def test_one_layout_serves_gate_up_then_down():
     # The FFN pair: one layout; the intermediate's pruned slots are left unwritten (NaN-poisoned)
     # and gemm_k, reading only active slots, still matches the dense-masked reference.
