@@ -97,3 +97,8 @@ def val_windows(data, block_size, max_windows=None):
     y = torch.stack([data[s + 1:s + 1 + block_size] for s in starts])
     return x, y
 
+
+
+def calibration_windows(stream, block_size, n, seed):
+    """n training windows drawn with a fixed seed: what the sparsity dial is calibrated on (wide.calibrate)."""
+    return get_batch(stream, n, block_size, torch.Generator().manual_seed(seed))[0]

@@ -7,8 +7,11 @@ token at a time, each attending to the cache).
     python generate.py --sparsity 0.5 --compare-dense    # tokens/s of WIDE next to the dense model
     python generate.py --checkpoint path/to/hf-llama-dir  # any local HF Llama directory works too
 
-With --sparsity S the router checkpoint trained for target S is used (stage 2 if present, else stage 1),
-and the realized attention/FFN sparsity and the executed fraction of linear FLOPs are printed.
+With --sparsity S (any S in [0, 1)) the router checkpoint trained for the nearest target is used (stage 2
+if present, else stage 1) and dialled to S: per-(layer, router type) offsets on the routers' skip-minus-
+execute gap, calibrated on training windows and cached in the checkpoint's dial.json (wide.load_dialled);
+--attn-sparsity A --ffn-sparsity F dial the two router types separately. The checkpoint and offsets used,
+the realized attention/FFN sparsity and the executed fraction of linear FLOPs are printed.
 
 --backend: "torch" is the dense-masked reference (every layer computed, skipped groups zeroed);
 "triton" runs the pruned ops through kernels.py, skipping their work; "auto" (default) is triton on a
@@ -20,7 +23,6 @@ of different lengths (right-padded; each row decodes at its own positions).
 An empty prompt (--prompt "") starts from the end-of-text token, i.e. the model begins a new passage.
 """
 import argparse
-import glob
 import os
 import sys
 import time
@@ -176,18 +178,6 @@ def clock(device):
     return time.perf_counter()
 
 
-def find_router_checkpoint(out_dir, method, sparsity):
-    """OUT/<method>-s<S>-stage2 if it exists, else stage 1; else one line naming the targets that do."""
-    for stage in (2, 1):
-        path = os.path.join(out_dir, f"{method}-s{sparsity:g}-stage{stage}")
-        if os.path.isfile(os.path.join(path, "wide.json")):
-            return path
-    have = sorted({os.path.basename(p).split("-")[1][1:] for p in glob.glob(os.path.join(out_dir, f"{method}-s*-stage*"))})
-    raise SystemExit(f"error: no {method} router checkpoint for sparsity {sparsity:g} in {out_dir}/ "
-                     + (f"(trained targets: {', '.join(have)})" if have else "(none trained yet)")
-                     + f"; train one with: python train.py --method {method} --sparsity {sparsity:g}")
-
-
 # Colours for --show-width, from the narrowest to the widest tokens.
 WIDTH_COLOURS = [(0.35, "\033[34m"), (0.45, "\033[36m"), (0.55, "\033[32m"), (0.65, "\033[33m"), (2.0, "\033[31m")]
 RESET = "\033[0m"
@@ -215,7 +205,9 @@ def main(argv=None):
     p = OneLineErrors(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: out/base, or the "
                    "router checkpoint for --sparsity); ours or a local HF Llama directory")
-    p.add_argument("--sparsity", type=float, help="use the WIDE routers trained for this target")
+    p.add_argument("--sparsity", type=float, help="dial the routers trained for the nearest target to this sparsity")
+    p.add_argument("--attn-sparsity", type=float, help="dial attention and FFN separately (with --ffn-sparsity)")
+    p.add_argument("--ffn-sparsity", type=float, help="dial attention and FFN separately (with --attn-sparsity)")
     p.add_argument("--method", default="wide", choices=["wide", "layerskip"], help="with --sparsity")
     p.add_argument("--out-dir", default="out", help="where train.py wrote its checkpoints")
     p.add_argument("--show-width", action="store_true", help="colour each token by the width it used")
@@ -244,18 +236,30 @@ def main(argv=None):
         raise SystemExit("error: --temperature must be >= 0, --max-new-tokens and --num-samples >= 1")
     if args.top_k is not None and args.top_k < 0:
         raise SystemExit(f"error: --top-k {args.top_k} is negative; use a positive k, or 0 to sample from all tokens")
-    if args.sparsity is not None and not 0.0 <= args.sparsity < 1.0:
-        raise SystemExit(f"error: --sparsity {args.sparsity} is outside [0, 1)")
+    for flag in ("sparsity", "attn_sparsity", "ffn_sparsity"):
+        if getattr(args, flag) is not None and not 0.0 <= getattr(args, flag) < 1.0:
+            raise SystemExit(f"error: --{flag.replace('_', '-')} {getattr(args, flag)} is outside [0, 1)")
+    if (args.attn_sparsity is None) != (args.ffn_sparsity is None) or (args.sparsity is not None and args.attn_sparsity is not None):
+        raise SystemExit("error: give --sparsity S, or --attn-sparsity A with --ffn-sparsity F, not a mix")
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    # The dial: the routers trained for the nearest target, offsets calibrated to the requested one.
+    dial_to = args.sparsity if args.attn_sparsity is None else (args.attn_sparsity + args.ffn_sparsity) / 2
     path = args.checkpoint
     if path is None:
-        path = (os.path.join(args.out_dir, "base") if args.sparsity is None
-                else find_router_checkpoint(args.out_dir, args.method, args.sparsity))
-    wcfg = None
-    if os.path.isfile(os.path.join(path, "wide.json")):
+        path = (os.path.join(args.out_dir, "base") if dial_to is None
+                else wide.nearest_checkpoint(args.out_dir, args.method, dial_to))
+    wcfg, dial = None, None
+    if os.path.isfile(os.path.join(path, "wide.json")) and dial_to is not None:
+        model, wcfg, dial = wide.load_dialled(path, args.sparsity, args.attn_sparsity, args.ffn_sparsity,
+                                              device=args.device, dtype=dtype)
+    elif os.path.isfile(os.path.join(path, "wide.json")):
         model, wcfg = wide.load_wide(path, device=args.device, dtype=dtype)
     else:
+        if dial_to is not None:
+            what = "is a dense model" if os.path.isdir(path) else "does not exist"
+            raise SystemExit(f"error: the sparsity dial needs a router checkpoint; {path} {what} "
+                             "(train one with: python train.py --sparsity 0.5)")
         if args.show_width or args.compare_dense:
             raise SystemExit(f"error: --{'show-width' if args.show_width else 'compare-dense'} needs a router "
                              f"checkpoint; {path} is a dense model (add --sparsity 0.5)")
@@ -288,7 +292,11 @@ def main(argv=None):
     dt = clock(args.device) - t0
     widths = [{k: v.cpu() for k, v in w.items()} for w in widths]
 
-    print(f"checkpoint: {path}" + (f" ({wcfg.method}, target {wcfg.target:g}, stage {wcfg.stage})" if wcfg else ""))
+    print(f"checkpoint: {path}" + (f" ({wcfg.method}, target {wide.trained_target(wcfg):g}, stage {wcfg.stage})" if wcfg else ""))
+    if dial:  # which offsets turned that checkpoint into the requested sparsity
+        target = " ".join(f"{k} {v:g}" for k, v in dial["targets"].items())
+        print(f"dial: {target}; offsets " + (wide.describe_offsets(dial["offsets"]) if dial["offsets"] else "none")
+              + f" ({dial['source']})")
     if backend == "triton":
         print("backend triton; where each op runs:\n" + forward.policy.describe())
     if args.show_width:
@@ -310,11 +318,11 @@ def main(argv=None):
         mean = {k: torch.stack([w[k] for w in widths]).mean().item() for k in widths[0]}
         if wcfg.method == "wide":
             print(f"realized sparsity over generated tokens: attention {1 - mean['attn']:.1%}, "
-                  f"FFN {1 - mean['ffn']:.1%} (target {wcfg.target:g}); "
+                  f"FFN {1 - mean['ffn']:.1%} (target {dial_to if dial_to is not None else wide.trained_target(wcfg):g}); "
                   f"executed linear FLOPs {mean['flops']:.1%} of dense")
         else:
             print(f"realized layer skipping over generated tokens: {1 - mean['layer']:.1%} "
-                  f"(target {wcfg.target:g}); executed linear FLOPs {mean['flops']:.1%} of dense")
+                  f"(target {dial_to if dial_to is not None else wcfg.target:g}); executed linear FLOPs {mean['flops']:.1%} of dense")
     if args.compare_dense:
         speed = {}
         for name in ("WIDE", "dense"):
