@@ -521,11 +521,20 @@ def tune_table(s):
         "gemm_mn_fused": (lambda: case_gate_up(s, M), [v(8, 2, block_m=128, BN=128, BK=128),
                                                        v(8, 4, block_m=256, BN=64, BK=64)]),
         "gemv_mn_1": (lambda: case_gate_up(s, 1), [v(4, 1, BN=4, BK=1024, programs_per_sm=4),
-                                                   v(4, 1, BN=8, BK=512, programs_per_sm=4),
-                                                   v(4, 1, BN=2, BK=1024, programs_per_sm=8)]),
+                                                   v(4, 1, BN=4, BK=1024, programs_per_sm=10),
+                                                   v(4, 1, BN=8, BK=512, programs_per_sm=6),
+                                                   v(4, 1, BN=2, BK=2048, programs_per_sm=8),
+                                                   v(8, 1, BN=8, BK=1024, programs_per_sm=4),
+                                                   v(4, 1, BN=8, BK=1024, programs_per_sm=4)]),
         "gemm_k": (lambda: case_k(s, M, FFN, s.ffn_gs, "down"), [v(8, 4, BM=128, BN=128, BK=64)]),
         "gemm_k_small_long_k": (lambda: case_k(s, 1, FFN, s.ffn_gs, "down"), [
-            v(4, 4, BM=16, BN=32, BK=128, SPLIT=4), v(4, 6, BM=16, BN=64, BK=128, SPLIT=8)]),
+            v(4, 4, BM=16, BN=32, BK=128, SPLIT=4), v(4, 6, BM=16, BN=64, BK=128, SPLIT=8),
+            v(4, 6, BM=16, BN=32, BK=128, SPLIT=8), v(4, 4, BM=16, BN=128, BK=128, SPLIT=8),
+            v(4, 8, BM=16, BN=64, BK=128, SPLIT=4), v(8, 4, BM=16, BN=128, BK=128, SPLIT=4),
+            v(4, 6, BM=16, BN=64, BK=64, SPLIT=8)]),
+        "gemm_k_small": (lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj"), [
+            v(4, 6, BM=16, BN=32, BK=128), v(4, 6, BM=16, BN=64, BK=128), v(4, 6, BM=16, BN=32, BK=128, SPLIT=2),
+            v(4, 6, BM=16, BN=64, BK=128, SPLIT=4), v(4, 4, BM=16, BN=16, BK=256)]),
         "attn_prefill": (lambda: case_prefill_attention(s), [v(8, 2, BM=128, BN=128)]),
         "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, SPLIT=1024), v(4, 4, BN=64, SPLIT=2048)]),
     }
@@ -548,7 +557,8 @@ def run_tune(s, args, argv):
               f"current {kernels.CONFIGS[key]}", flush=True)
         results[key] = dict(op=case.op, tokens=case.tokens, timing="cuda_graph" if case.decode else "do_bench",
                             dense_ms=dense_ms, current=kernels.CONFIGS[key], variants=[])
-        for v in [dict(kernels.CONFIGS[key])] + [v for v in variants if v != kernels.CONFIGS[key]]:
+        todo = [dict(kernels.CONFIGS[key])] + [v for v in variants if v != kernels.CONFIGS[key]]
+        for v in todo[:2] if s.smoke else todo:  # --smoke: the sweep's code path, not its width
             try:
                 checks = [check(case, full, v), check(case, half, v)]
                 ms, all_ms = time_it(half, v), time_it(full, v)

@@ -151,7 +151,8 @@ def test_one_layout_serves_gate_up_then_down():
     mask = make_mask((M, G), 0.5, gen)
     lay = kernels.layout(mask)
     h = kernels.gemm_mn(x, wg, lay, gs, w_up=wu, zero_pruned=False)
-    assert torch.isnan(h[~mask.repeat_interleave(gs, 1)]).all(), "zero_pruned=False leaves pruned slots"
+    if kernels.INTERPRET:  # buffers start poisoned only under the interpreter
+        assert torch.isnan(h[~mask.repeat_interleave(gs, 1)]).all(), "zero_pruned=False leaves pruned slots"
     for method in ("tile", "atomic"):
         out = kernels.gemm_k(h, wd, lay, gs, method=method)
         ref = kernels.gemm_k_ref(kernels.gemm_mn_ref(x, wg, mask, gs, wu), wd, mask, gs)
