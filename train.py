@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import wide
-from data import encode_plays, get_batch, split_plays, train_tokenizer, val_windows
+from data import calibration_windows, encode_plays, get_batch, split_plays, train_tokenizer, val_windows
 from distributed import (Stopper, barrier, build_device, global_mean, load_state, parallelize, processes,
                          save_state, setup_distributed, state_path, whole_model, world)
 from model import CheckpointError, ModelConfig, Transformer, load_tokenizer, save_checkpoint
@@ -66,7 +66,7 @@ def fmt_time(s):
 
 
 def train_loop(model, params, data, val, args, *, steps, lr, min_lr, warmup, weight_decay, name,
-               wcfg=None, state=None, stopper=None):
+               wcfg=None, state=None, stopper=None, betas=(0.9, 0.95), decay_1d=False):
     """AdamW + warm-up/cosine + grad clipping; one progress line per eval interval.
 
     wcfg None: base pretraining, the loss is the cross-entropy. A WideConfig: stage 1 or 2, the loss
@@ -78,6 +78,9 @@ def train_loop(model, params, data, val, args, *, steps, lr, min_lr, warmup, wei
     Resuming at step k is exact: the batches come from the saved generator, the LR and temperature are
     functions of k, and the random numbers of each step (Gumbel noise, LoRA dropout) are seeded by
     (seed, step, rank).
+
+    betas, decay_1d: base pretraining uses nanoGPT's AdamW (betas 0.9/0.95, no decay on norms and
+    biases); the WIDE stages pass the paper's (torch's defaults: betas 0.9/0.999, decay on every parameter).
     """
     stopper = stopper or Stopper()
     device = args.device
@@ -88,10 +91,10 @@ def train_loop(model, params, data, val, args, *, steps, lr, min_lr, warmup, wei
     fwd = parallelize(model, args)
     params = [dict(model.named_parameters())[k] for k in names]
     sharded = any(hasattr(p, "full_tensor") for p in params)
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    decay = [p for p in params if p.dim() >= 2 or decay_1d]
+    no_decay = [p for p in params if p.dim() < 2 and not decay_1d]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95),
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas,
                             fused=str(device).startswith("cuda") and not sharded)
     gen = torch.Generator().manual_seed(args.seed)
     run = dict(name=name, steps=steps, lr=lr, min_lr=min_lr, warmup=warmup, weight_decay=weight_decay,
@@ -254,7 +257,7 @@ def train_stage(args, wcfg, stage, tok, data, val, stopper=None):
         steps, lr = args.stage1_steps, args.stage1_lr
     else:
         src = run_dir(args, wcfg, 1)
-        model, wcfg1 = wide.load_wide(src, device=device)
+        model, wcfg1 = wide.load_wide(src, device=device, dial=False)  # stage 1's raw routers
         model.requires_grad_(False)
         wide.install_lora(model, args.lora_rank, args.lora_alpha)
         wcfg.lora_rank, wcfg.lora_alpha = args.lora_rank, args.lora_alpha
@@ -267,10 +270,20 @@ def train_stage(args, wcfg, stage, tok, data, val, stopper=None):
     log(f"{name}: {sum(p.numel() for p in params) / 1e3:.1f}k trainable parameters "
         f"({'routers' if stage == 1 else 'LoRA + routers'}), target {describe_target(wcfg)}{processes(args)}")
     out = run_dir(args, wcfg, stage)
-    # The paper's optimizer for both stages: AdamW, weight decay 0.01, 10% warm-up, cosine to 0.
+    # The paper's optimizer for both stages: AdamW (torch's defaults: betas 0.9/0.999, weight decay on
+    # every parameter) with weight decay 0.01, 10% warm-up, cosine to 0.
     result = train_loop(model, params, data, val, args, steps=steps, lr=lr, min_lr=0.0,
                         warmup=max(1, steps // 10), weight_decay=0.01, name=name, wcfg=wcfg,
-                        state=state_path(out), stopper=stopper)
+                        state=state_path(out), stopper=stopper, betas=(0.9, 0.999), decay_1d=True)
+    # The dial: calibrate the routers to their own target on training windows, so that deterministic
+    # routing realizes it (the Gumbel-trained rate drifts at inference); saved in wide.json.
+    windows = calibration_windows(data, args.block_size, wide.CALIB_WINDOWS, wide.CALIB_SEED).to(device)
+    wcfg.offsets, realized = wide.calibrate(model, windows, wcfg.target, wcfg.attn_target, wcfg.ffn_target)
+    with wide.dialled(model, wcfg.offsets):
+        _, val_rates = evaluate(model, *val, args.batch_size, device)
+    log(f"{name}: dial calibrated on {wide.CALIB_WINDOWS} training windows, offsets {wide.describe_offsets(wcfg.offsets)}; "
+        "realized skip " + " ".join(f"{k} {sum(v) / len(v):.3f} (held-out {val_rates[k]:.3f})" for k, v in realized.items()))
+    result["dial_val_skip"] = val_rates
     full = whole_model(model)
     if world()[0] == 0:
         wide.save_wide(out, full, tok, wcfg, train_state=dict(stage=stage, args=vars(args),

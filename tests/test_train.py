@@ -116,7 +116,8 @@ def test_command_line_defaults_are_the_papers_settings():
 
 def test_stages_train_with_the_papers_optimizer_settings_and_stage_2_adds_lora(tokenizer, tmp_path, monkeypatch):
     args, _ = train.parse_args(["--device", "cpu", "--out-dir", str(tmp_path), "--stage1-steps", "20",
-                                "--stage2-steps", "30", "--lora-rank", "4", "--lora-alpha", "8"])
+                                "--stage2-steps", "30", "--lora-rank", "4", "--lora-alpha", "8",
+                                "--block-size", "32"])
     save_checkpoint(args.base_dir, random_model(), tokenizer)
     calls = []
 
@@ -126,13 +127,15 @@ def test_stages_train_with_the_papers_optimizer_settings_and_stage_2_adds_lora(t
 
     monkeypatch.setattr(train, "train_loop", recording)
     wcfg = wide_config()
-    train.train_stage(args, wcfg, 1, tokenizer, None, None)
-    train.train_stage(args, wcfg, 2, tokenizer, None, None)
+    stream, val = tokens(1, 4000).reshape(-1), (tokens(4, 32, seed=1), tokens(4, 32, seed=2))
+    train.train_stage(args, wcfg, 1, tokenizer, stream, val)
+    train.train_stage(args, wcfg, 2, tokenizer, stream, val)
     one, two = calls
-    # Both stages: AdamW with weight decay 0.01, 10% warm-up, cosine to 0, the stage's own schedule.
+    # Both stages: the paper's AdamW (torch's defaults: betas 0.9/0.999, decay on every parameter) with
+    # weight decay 0.01, 10% warm-up, cosine to 0, the stage's own schedule.
     for call, steps, lr in ((one, 20, 2e-3), (two, 30, 2e-4)):
-        assert {k: call[k] for k in ("steps", "lr", "min_lr", "warmup", "weight_decay")} == dict(
-            steps=steps, lr=lr, min_lr=0.0, warmup=steps // 10, weight_decay=0.01)
+        assert {k: call[k] for k in ("steps", "lr", "min_lr", "warmup", "weight_decay", "betas", "decay_1d")} == dict(
+            steps=steps, lr=lr, min_lr=0.0, warmup=steps // 10, weight_decay=0.01, betas=(0.9, 0.999), decay_1d=True)
         assert call["wcfg"] is wcfg  # the penalty and the temperature schedule are on
     # Stage 1 trains the routers alone.
     names = {id(p): n for n, p in one["model"].named_parameters()}
