@@ -444,11 +444,14 @@ def solve_shift(gaps, target, iters=60):
 
 
 def solve_offset(gap, rate):
-    """The offset at which mean(gap + offset > 0) is closest to `rate`: skip the k = round(rate * N)
-    largest gaps. It sits halfway between the k-th and (k+1)-th largest gap, so that rounding in the
-    folded bias can never move a calibration token across the threshold."""
+    """The offset at which mean(gap + offset > 0) is closest to `rate`: skip the k largest gaps, k as near
+    rate * N as equal gaps allow (a token that recurs has one gap; it cannot be split). The offset sits
+    halfway between the k-th and (k+1)-th largest gap, so that rounding in the folded bias does not move
+    a calibration token across the threshold."""
     g = gap.flatten().sort(descending=True).values
-    k = int(round(rate * g.numel()))
+    n = g.numel()
+    cuts = torch.cat([torch.tensor([0]), torch.nonzero(g[:-1] > g[1:]).flatten() + 1, torch.tensor([n])])
+    k = int(cuts[(cuts.double() - rate * n).abs().argmin()])  # the first of equally near cuts: fewer skips
     above = g[k - 1] if k > 0 else g[0] + 1.0
     below = g[k] if k < g.numel() else g[-1] - 1.0
     return -float(above + below) / 2

@@ -1,0 +1,262 @@
+"""
+The specification of the sparsity dial (wide.py, section 9): per-(layer, router type) offsets on the
+skip-minus-execute gap, calibrated on training windows so that deterministic routing realizes a
+requested sparsity, folded into the routers' skip biases at load time; and generate.py's dial flags.
+The models are the small ones of tiny_models.py (2 layers, 2 head groups and 4 channel groups per layer).
+"""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data
+import wide
+from model import CheckpointError, Transformer, save_checkpoint
+from tiny_models import random_model, tokens, wide_config, wide_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n"
+WINDOWS = tokens(16, 32, seed=1)  # 512 tokens: each router's rate moves in steps of 1/512
+
+
+def realized(model, idx, offsets=None):
+    """{kind: mean skip rate} of deterministic routing on idx, with the offsets folded into a copy."""
+    m = copy.deepcopy(model)
+    if offsets:
+        wide.fold_offsets(m, offsets)
+    masks = {}
+    with torch.no_grad():
+        m.eval()(idx, masks=masks)
+    return {k: v.item() for k, v in wide.skip_rates(masks).items()}
+
+
+def uniform(model, o):
+    return {k: [o] * len(model.layers) for k in ("attn", "ffn")}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the rule: skip iff z_skip - z_exec + offset > 0, a tie executes
+
+
+def test_a_larger_offset_never_skips_fewer_groups():
+    model, _ = wide_model()
+    rates = [realized(model, WINDOWS, uniform(model, o)) for o in torch.linspace(-16, 16, 33).tolist()]
+    for kind in ("attn", "ffn"):
+        seq = [r[kind] for r in rates]
+        assert all(a <= b for a, b in zip(seq, seq[1:])), f"{kind} skip rate not monotone in the offset: {seq}"
+        assert seq[0] < 0.05 and seq[-1] > 0.95, f"{kind}: the sweep should span almost nothing to almost all: {seq}"
+
+
+def test_folded_offset_is_the_gap_rule_and_a_tie_still_executes():
+    r = wide.Router(dim=4, n_groups=1, rank=2).eval()
+    with torch.no_grad():
+        r.up.weight.zero_()
+        r.up.bias.copy_(torch.tensor([0.5, 0.25]))  # z_exec = 0.5, z_skip = 0.25: the gap is -0.25
+    x = torch.randn(3, 4)
+    wrapped = type("M", (), {})()  # fold_offsets walks model.layers
+    for offset, keep in ((0.25, 1.0), (0.2500001, 0.0), (0.0, 1.0)):
+        rr = copy.deepcopy(r)
+        wrapped.layers = [type("L", (), dict(attn_router=rr, ffn_router=None, layer_router=None))()]
+        wide.fold_offsets(wrapped, {"attn": [offset]})
+        assert (rr(x) == keep).all(), f"offset {offset}: expected keep {keep} (a tie executes)"
+
+
+def test_hooked_offsets_and_folded_biases_route_identically():
+    # calibrate() applies offsets through forward hooks; inference folds them into the biases.
+    model, _ = wide_model()
+    offsets, _ = wide.calibrate(model, WINDOWS, 0.4)
+    idx = tokens(4, 32, seed=9)
+    hooked = {}
+    with wide.dialled(model, offsets), torch.no_grad():
+        model(idx, masks=hooked)
+    folded = copy.deepcopy(model)
+    wide.fold_offsets(folded, offsets)
+    masks = {}
+    with torch.no_grad():
+        folded(idx, masks=masks)
+    for kind in ("attn", "ffn"):
+        for a, b in zip(hooked[kind], masks[kind]):
+            assert torch.equal(a, b), f"{kind}: hooked and folded offsets disagree"
+
+
+# ----------------------------------------------------------------------------------------------------
+# calibration
+
+
+@pytest.mark.parametrize("target", [0.1, 0.3, 0.5, 0.8])
+def test_calibration_hits_the_target_on_its_windows(target):
+    model, _ = wide_model()
+    offsets, per_layer = wide.calibrate(model, WINDOWS, target)
+    got = realized(model, WINDOWS, offsets)
+    assert abs((got["attn"] + got["ffn"]) / 2 - target) < 0.01, (got, target)
+    assert got["attn"] == pytest.approx(sum(per_layer["attn"]) / 2), "calibrate reports what the folded dial realizes"
+
+
+def test_calibration_hits_separate_targets_and_a_layer_skip_target():
+    model, _ = wide_model()
+    offsets, _ = wide.calibrate(model, WINDOWS, attn_target=0.7, ffn_target=0.2)
+    got = realized(model, WINDOWS, offsets)
+    assert got["attn"] == pytest.approx(0.7, abs=0.01) and got["ffn"] == pytest.approx(0.2, abs=0.01), got
+    ls, _ = wide_model(method="layerskip")
+    offsets, _ = wide.calibrate(ls, WINDOWS, 0.4)
+    assert realized(ls, WINDOWS, offsets)["layer"] == pytest.approx(0.4, abs=0.01)
+
+
+def test_calibration_generalizes_to_other_windows_of_the_same_text():
+    model, _ = wide_model()
+    offsets, _ = wide.calibrate(model, tokens(64, 32, seed=3), 0.5)
+    got = realized(model, tokens(64, 32, seed=4), offsets)
+    assert abs((got["attn"] + got["ffn"]) / 2 - 0.5) < 0.03, got
+
+
+def test_calibration_is_deterministic():
+    model, _ = wide_model()
+    a, _ = wide.calibrate(model, WINDOWS, 0.35)
+    b, _ = wide.calibrate(copy.deepcopy(model), WINDOWS.clone(), 0.35)
+    assert a == b, "two calibrations of the same routers on the same windows must give the same offsets"
+
+
+def test_realized_sparsity_rises_with_the_requested_target():
+    model, _ = wide_model()
+    seq = []
+    for t in (0.0, 0.2, 0.4, 0.6, 0.8, 0.95):
+        got = realized(model, WINDOWS, wide.calibrate(model, WINDOWS, t)[0])
+        seq.append((got["attn"] + got["ffn"]) / 2)
+    assert all(a <= b for a, b in zip(seq, seq[1:])), seq
+    assert seq[0] < 0.01, "target 0 skips nothing"
+
+
+def test_calibration_leaves_the_model_untouched():
+    model, _ = wide_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    wide.calibrate(model, WINDOWS, 0.6)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(not r._forward_hooks for _, _, r in wide.router_list(model)), "a hook was left behind"
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpoints: offsets in wide.json, folded at load; the nearest checkpoint; the cache
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return data.train_tokenizer([TEXT * 4], 300)
+
+
+def save_router_checkpoint(path, tokenizer, offsets_for=None, seed=0, **wcfg):
+    model, w = random_model(seed, vocab_size=tokenizer.get_vocab_size()), wide_config(**wcfg)
+    torch.manual_seed(100 + seed)
+    wide.install_routers(model, w)
+    if offsets_for is not None:
+        w.offsets, _ = wide.calibrate(model, WINDOWS, offsets_for)
+    wide.save_wide(str(path), model, tokenizer, w)
+    return model, w
+
+
+def test_offsets_travel_in_wide_json_and_load_wide_folds_them(tmp_path, tokenizer):
+    model, w = save_router_checkpoint(tmp_path / "c", tokenizer, offsets_for=0.3, target=0.3)
+    loaded, w2 = wide.load_wide(str(tmp_path / "c"))
+    assert w2.offsets == w.offsets
+    assert realized(loaded, WINDOWS) == realized(model, WINDOWS, w.offsets)
+    raw, _ = wide.load_wide(str(tmp_path / "c"), dial=False)  # stage 2 starts from the raw routers
+    assert realized(raw, WINDOWS) == realized(model, WINDOWS)
+
+
+def test_nearest_checkpoint_prefers_the_nearest_target_then_stage_2(tmp_path, tokenizer):
+    for name in ("wide-s0.25-stage1", "wide-s0.5-stage1", "wide-s0.5-stage2", "wide-a0.8-f0.6-stage1"):
+        save_router_checkpoint(tmp_path / name, tokenizer)
+    near = lambda t: os.path.basename(wide.nearest_checkpoint(str(tmp_path), "wide", t))
+    assert near(0.3) == "wide-s0.25-stage1"
+    assert near(0.45) == "wide-s0.5-stage2"
+    assert near(0.75) == "wide-a0.8-f0.6-stage1"  # separate targets count by their mean, 0.7
+    with pytest.raises(CheckpointError, match="python train.py --method layerskip --sparsity 0.3"):
+        wide.nearest_checkpoint(str(tmp_path), "layerskip", 0.3)
+
+
+def test_load_dialled_calibrates_once_and_caches_atomically(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setattr(data, "split_plays", lambda: ([TEXT * 40], [TEXT]))  # small "training plays"
+    path = str(tmp_path / "wide-s0.5-stage2")
+    model, _ = save_router_checkpoint(path, tokenizer, offsets_for=0.5)
+    m1, _, d1 = wide.load_dialled(path, target=0.3, block_size=32)
+    assert "calibrated on" in d1["source"] and os.path.isfile(os.path.join(path, "dial.json"))
+    assert not os.path.exists(os.path.join(path, "dial.json.tmp"))
+    m2, _, d2 = wide.load_dialled(path, target=0.3, block_size=32)
+    assert "cached in" in d2["source"] and d2["offsets"] == d1["offsets"]
+    windows = data.calibration_windows(data.encode_plays(tokenizer, [TEXT * 40]), 32, wide.CALIB_WINDOWS,
+                                       wide.CALIB_SEED)
+    got = realized(m1, windows)
+    assert abs((got["attn"] + got["ffn"]) / 2 - 0.3) < 0.01, got
+    _, _, own = wide.load_dialled(path, target=0.5, block_size=32)  # its own target: training's dial
+    assert own["source"].startswith("calibrated in training")
+    with open(os.path.join(path, "dial.json"), "w") as f:
+        f.write("{damaged")
+    _, _, again = wide.load_dialled(path, target=0.3, block_size=32)
+    assert again["offsets"] == d1["offsets"], "a damaged cache is recomputed, to the same offsets"
+    assert json.load(open(os.path.join(path, "dial.json")))
+
+
+# ----------------------------------------------------------------------------------------------------
+# generate.py: the dial from the command line
+
+
+def run_script(*args):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+
+
+def assert_one_line_error(result, *words):
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [l for l in result.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, result.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory, tokenizer):
+    out = tmp_path_factory.mktemp("out")
+    torch.manual_seed(0)
+    model = random_model(vocab_size=tokenizer.get_vocab_size(), max_seq_len=160)
+    save_checkpoint(str(out / "base"), model, tokenizer)
+    wcfg = wide.WideConfig(ffn_group_size=16, rank=8)
+    wide.install_routers(model, wcfg)
+    wide.save_wide(str(out / "wide-s0.5-stage1"), model, tokenizer, wcfg)
+    return str(out)
+
+
+def test_generate_dials_any_sparsity_and_names_the_checkpoint_and_offsets(out_dir):
+    r = run_script("generate.py", "--out-dir", out_dir, "--sparsity", "0.3", "--max-new-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    assert f"checkpoint: {out_dir}/wide-s0.5-stage1 (wide, target 0.5, stage 1)" in r.stdout
+    assert "dial: sparsity 0.3; offsets attn [" in r.stdout and "ffn [" in r.stdout, r.stdout
+    assert "(target 0.3)" in r.stdout
+
+
+def test_generate_dials_attention_and_ffn_separately(out_dir, capsys, monkeypatch):
+    import generate
+    monkeypatch.setattr(data, "split_plays", lambda: ([TEXT * 40], [TEXT]))  # calibrate on less text
+    generate.main(["--out-dir", out_dir, "--attn-sparsity", "0.6", "--ffn-sparsity", "0.1", "--max-new-tokens", "4",
+                   "--backend", "torch"])
+    out = capsys.readouterr().out
+    assert "dial: attn 0.6 ffn 0.1; offsets attn [" in out, out
+
+
+def test_generate_dial_errors_are_one_line(out_dir, tmp_path):
+    assert_one_line_error(run_script("generate.py", "--out-dir", str(tmp_path), "--sparsity", "0.3"),
+                          "no wide router checkpoint", "python train.py")
+    assert_one_line_error(run_script("generate.py", "--checkpoint", f"{out_dir}/base", "--sparsity", "0.3"),
+                          "needs a router checkpoint", "dense model")
+    assert_one_line_error(run_script("generate.py", "--checkpoint", str(tmp_path / "nope"), "--sparsity", "0.3"),
+                          "does not exist")
+    assert_one_line_error(run_script("generate.py", "--out-dir", out_dir, "--attn-sparsity", "0.3"), "--ffn-sparsity")
+    assert_one_line_error(run_script("generate.py", "--out-dir", out_dir, "--ffn-sparsity", "1.2",
+                                     "--attn-sparsity", "0.1"), "outside [0, 1)")
+    broken = tmp_path / "wide-s0.5-stage1"
+    save_checkpoint(str(broken), Transformer.from_pretrained(f"{out_dir}/base"), data.train_tokenizer([TEXT], 300))
+    (broken / "wide.json").write_text("{not json")
+    assert_one_line_error(run_script("generate.py", "--out-dir", str(tmp_path), "--sparsity", "0.3"), "corrupt")
