@@ -241,7 +241,11 @@ class Engine:
             mask, gs = head_mask.reshape(M, -1), H // head_mask.shape[-1] * d
             # The layout (mask reordering), built once per router decision: Q proj and attention share it.
             lay = kernels.layout(head_mask) if not step.decode else mask
-        if head_mask is not None and sparse_mn:
+        if head_mask is not None and sparse_mn and M <= kernels.SMALL_M:
+            # Decode: Q's live groups, then K and V (never pruned), as one weight stream in one launch.
+            qkv = kernels.gemm_mn(x2, wqkv, mask, gs, dense_tail=wqkv.shape[0] - nq)
+            q, kv = qkv[:, :nq], qkv[:, nq:]
+        elif head_mask is not None and sparse_mn:
             # Q proj, active groups only; pruned slots stay unwritten (attention never reads them).
             q = kernels.gemm_mn(x2, wqkv[:nq], lay, gs, zero_pruned=False)
             kv = F.linear(x2, wqkv[nq:])  # K and V in one GEMM: never pruned
@@ -473,7 +477,24 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
         acc += hf[:, None, :] * w[None, :, :]
     zt = tl.sum(acc, 2) + tl.load(bd + r, mask=r < R, other=0.0)[None, :]
     tl.store(z + t[:, None] * R + r[None, :], zt, mask=tok[:, None] & (r < R)[None, :])
-    if pid == 0:  # RMSNorm(h) from the row sums of squares; h re-read from x (and res), as it was formed
+    # The second Linear's weights, loaded by every program before the ticket: whichever program is
+    # last then has them at hand instead of starting a dependent load.
+    g = tl.arange(0, BG)
+    rr = tl.arange(0, RP)
+    wm = (g < G)[:, None] & (rr < R)[None, :]
+    w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
+    w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+    b_exec = tl.load(bu + 2 * g, mask=g < G, other=0.0)
+    b_skip = tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
+    tl.debug_barrier()  # every thread's z is stored before the ticket is taken (release)
+    if tl.atomic_add(ticket, 1) == tl.num_programs(0) - 1:  # the last program: z is complete
+        tl.atomic_xchg(ticket, 0)
+        for m in range(0, M):
+            zr = tl.load(z + m * R + rr, mask=rr < R, other=0.0, cache_modifier=".cg")[None, :]
+            run = tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec  # a tie executes
+            tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
+            tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)
+    if pid == 0:  # RMSNorm(h) from the row sums of squares (after the ticket: overlaps the last program)
         inv = tl.rsqrt(ss / D + eps)
         for k0 in range(0, D, BK):
             ok = tok[:, None] & (k0 + kk < D)[None, :]
@@ -484,18 +505,3 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
             n = (hv.to(tl.float32) * inv[:, None]).to(hv.dtype)
             wt = tl.load(nw + k0 + kk, mask=k0 + kk < D, other=0.0)
             tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
-    tl.debug_barrier()  # every thread's z is stored before the ticket is taken (release)
-    if tl.atomic_add(ticket, 1) == tl.num_programs(0) - 1:  # the last program: z is complete
-        tl.atomic_xchg(ticket, 0)
-        g = tl.arange(0, BG)
-        rr = tl.arange(0, RP)
-        wm = (g < G)[:, None] & (rr < R)[None, :]
-        w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
-        w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
-        b_exec = tl.load(bu + 2 * g, mask=g < G, other=0.0)
-        b_skip = tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
-        for m in range(0, M):
-            zr = tl.load(z + m * R + rr, mask=rr < R, other=0.0, cache_modifier=".cg")[None, :]
-            run = tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec  # a tie executes
-            tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
-            tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)

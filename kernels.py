@@ -40,7 +40,8 @@ CONFIGS = {
     "gemv_mn_1": dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=7),
     "gemv_mn": dict(BN=16, BK=256, num_warps=4, num_stages=1, programs_per_sm=2),
     "gemm_k": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
-    "gemm_k_small": dict(BM=16, BN=16, BK=128, num_warps=4, num_stages=6),
+    # Decode O projection (K = 4096, 8 groups): split over 4 programs too (one token: 12.0 -> 10.2 us, H200).
+    "gemm_k_small": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=4),
     # Decode with a long reduction (the down projection, K >= 8192): split each tile's live groups
     # over 4 programs so more weight bytes are in flight (one token: 32 -> 23 us at 50%, H200).
     "gemm_k_small_long_k": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=4),
@@ -54,7 +55,7 @@ if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per ele
         "block_m": 16,
         "gemm_mn": dict(BN=32, BK=32), "gemm_mn_fused": dict(BN=32, BK=32),
         "gemv_mn": dict(BN=16, BK=32, programs_per_sm=1), "gemv_mn_1": dict(BN=8, BK=32, programs_per_sm=1),
-        "gemm_k": dict(BM=16, BN=32, BK=16), "gemm_k_small": dict(BM=16, BN=32, BK=16),
+        "gemm_k": dict(BM=16, BN=32, BK=16), "gemm_k_small": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_small_long_k": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_atomic": dict(BN=32, BK=16),
         "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, SPLIT=32),
@@ -285,7 +286,7 @@ def _gemv_step(x, w, w_up, lst, step, end, t, M, K, KS, sxm, swn, GS: tl.constex
 
 
 @triton.jit
-def _gemv_mn_kernel(x, w, w_up, out, mask, live_list, M, N, K, G, sxm, swn, som,
+def _gemv_mn_kernel(x, w, w_up, out, mask, live_list, M, N, K, G, GE, sxm, swn, som,
                     GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, FUSED: tl.constexpr, IEEE: tl.constexpr):
     """Decode gemm_mn (M <= BT tokens): the weight rows of groups no token runs are never read.
@@ -295,15 +296,16 @@ def _gemv_mn_kernel(x, w, w_up, out, mask, live_list, M, N, K, G, sxm, swn, som,
     program streams about the same number of weight bytes. One flat loop over (chunk, K slice)
     steps loads the next step before using this one, across chunk boundaries too. One token:
     FMAs reduced every step; more tokens: tl.dot on a 16-row tile. Inactive (token, group)
-    outputs and the channels of dead groups are written as zeros. Twin: gemm_mn_ref.
+    outputs and the channels of dead groups are written as zeros. GE groups after the G routed
+    ones are always live (the dense tail: K and V after Q, one stream). Twin: gemm_mn_ref.
     """
     pid, P = tl.program_id(0), tl.num_programs(0)
     t = tl.arange(0, BT)
     gg = tl.arange(0, GP)
     bits = tl.load(mask + t[:, None] * G + gg[None, :], mask=(t < M)[:, None] & (gg < G)[None, :],
                    other=0).to(tl.int32)
-    live = (tl.max(bits, 0) > 0).to(tl.int32)
-    dead = tl.where(gg < G, 1 - live, 0)
+    live = ((tl.max(bits, 0) > 0) | ((gg >= G) & (gg < G + GE))).to(tl.int32)
+    dead = tl.where(gg < G + GE, 1 - live, 0)
     n_live = tl.sum(live, 0)
     lst = live_list + pid * GP  # this program's list: live groups ascending, then dead ones
     tl.store(lst + tl.cumsum(live, 0) - 1, gg, mask=live > 0)
@@ -336,21 +338,24 @@ def _gemv_mn_kernel(x, w, w_up, out, mask, live_list, M, N, K, G, sxm, swn, som,
             res = acc if BT > 1 else acc[None, :]
             if FUSED:
                 res = res / (1.0 + tl.exp(-res)) * (acc_up if BT > 1 else acc_up[None, :])
-            on = tl.load(mask + t[:, None] * G + g[None, :], mask=(t < M)[:, None], other=0) > 0
+            on = tl.load(mask + t[:, None] * G + g[None, :], mask=(t < M)[:, None] & (g < G)[None, :], other=1) > 0
             tl.store(out + t[:, None] * som + n[None, :], tl.where(on, res, 0.0).to(out.dtype.element_ty),
                      mask=(t < M)[:, None])
             acc = acc * 0.0
             acc_up = acc_up * 0.0
-    D = (G - n_live) * (GS // BN)  # dead groups' chunks, shared out the same way: zeros only
+    D = (G + GE - n_live) * (GS // BN)  # dead groups' chunks, shared out the same way: zeros only
     for c in range(pid * D // P, (pid + 1) * D // P):
         n = tl.load(lst + n_live + c * BN // GS) * GS + (c * BN) % GS + tl.arange(0, BN)
         tl.store(out + t[:, None] * som + n[None, :], tl.zeros([BT, BN], out.dtype.element_ty),
                  mask=(t < M)[:, None])
 
 
-def gemm_mn_ref(x, w, mask, group_size, w_up=None):
-    """Dense x @ w.T (or silu(x @ w.T) * (x @ w_up.T)), then the pruned groups' outputs set to 0."""
+def gemm_mn_ref(x, w, mask, group_size, w_up=None, dense_tail=0):
+    """Dense x @ w.T (or silu(x @ w.T) * (x @ w_up.T)), then the pruned groups' outputs set to 0.
+    The last dense_tail output channels belong to no group: they are always computed."""
     m = _flat_mask(mask)
+    if dense_tail:
+        m = torch.cat([m, m.new_ones(m.shape[0], dense_tail // group_size)], dim=1)
     y = x @ w.t()
     if w_up is not None:
         y = F.silu(y) * (x @ w_up.t())
@@ -358,19 +363,22 @@ def gemm_mn_ref(x, w, mask, group_size, w_up=None):
     return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
-def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, config=None):
+def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, config=None, dense_tail=0):
     """Masked linear with output-channel groups: x[M,K], w[N,K], mask [M, N/group_size] -> [M,N].
 
     With w_up it is the fused SwiGLU input silu(x @ w.T) * (x @ w_up.T) (w = gate).
     zero_pruned=False skips writing the pruned slots (the kernel then only writes live tiles);
     only gemm_k with the same mask may consume such an output, since it never reads those slots.
     config overrides the tuned block sizes (CONFIGS) of the kernel this call launches.
+    dense_tail: the last rows of w are always computed (decode only: Q with K and V after it in one
+    weight stream, mask [M, (N - dense_tail) / group_size]).
     """
     check_device(x)
     M, K = x.shape
     N = w.shape[0]
-    G = N // group_size
-    assert G * group_size == N and group_size % 16 == 0, "group_size must divide N and be a multiple of 16"
+    G, GE = (N - dense_tail) // group_size, dense_tail // group_size
+    assert (G + GE) * group_size == N and group_size % 16 == 0, "group_size must divide N and be a multiple of 16"
+    assert not dense_tail or M <= SMALL_M, "dense_tail is for the decode GEMV"
     fused = w_up is not None
     x, w = x.contiguous(), w.contiguous()
     w_up = w_up.contiguous() if fused else w
@@ -380,9 +388,9 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
         cfg = _config("gemv_mn_1" if M == 1 else "gemv_mn", config)
         m = _flat_mask(mask_or_layout).view(torch.uint8)
         P = cfg["programs_per_sm"] * _num_sms(x.device)
-        GP = max(2, triton.next_power_of_2(G))
+        GP = max(2, triton.next_power_of_2(G + GE))
         BN = _pow2_divisor(group_size, cfg["BN"])
-        _gemv_mn_kernel[(P,)](x, w, w_up, out, m, _empty((P, GP), torch.int32, x.device), M, N, K, G,
+        _gemv_mn_kernel[(P,)](x, w, w_up, out, m, _empty((P, GP), torch.int32, x.device), M, N, K, G, GE,
                               x.stride(0), w.stride(0), out.stride(0), GS=group_size, GP=GP,
                               BT=1 if M == 1 else SMALL_M, BN=BN, BK=cfg["BK"], FUSED=fused,
                               IEEE=ieee, **_launch(cfg))

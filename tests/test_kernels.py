@@ -121,6 +121,20 @@ def test_decode_sized_gemms_take_the_gemv_paths(launches, M):
     assert launches.count("gemm_k_kernel") == 1 and launches.count("layout_kernel") == 0
 
 
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("p_on", [0.0, 0.5, 1.0])
+def test_decode_gemm_mn_computes_a_dense_tail_after_the_routed_groups(M, p_on):
+    # Q's routed groups, then K and V (never pruned) as one weight: the tail is always computed.
+    gen = torch.Generator().manual_seed(20 + M)
+    x, w = randn(M, 48, gen=gen), randn(3 * 16 + 32, 48, gen=gen)
+    mask = make_mask((M, 3), p_on, gen)
+    out = kernels.gemm_mn(x, w, mask, 16, dense_tail=32)
+    ref = kernels.gemm_mn_ref(x, w, mask, 16, dense_tail=32)
+    assert_close(out, ref)
+    assert_close(out[:, 48:], x @ w[48:].t())
+    assert (out[:, :48][~mask.repeat_interleave(16, 1)] == 0).all()
+
+
 def test_decode_gemm_k_with_a_long_reduction_splits_the_live_groups(launches):
     # The down projection's shape class: K >= 8192 (LONG_K on a GPU) and one token. The live groups
     # are shared out over SPLIT programs (grid axis 1) whose fp32 partials are summed in a fixed order.
