@@ -15,7 +15,7 @@ WideConfig(method="layerskip") and install_routers.
 import torch
 import torch.nn as nn
 
-from wide import LORA_TARGETS, check_groups, linear_flops
+from wide import LORA_TARGETS, check_groups, flop_fraction, linear_flops
 
 
 @torch.no_grad()
@@ -72,6 +72,24 @@ def calibrate_static_width(model, wcfg, batches):
     return model
 
 
+def static_flop_fraction(cfg, wcfg, target):
+    """Executed / dense linear FLOPs of static width at target s: every layer keeps G - round(s G) groups
+    of each kind for every token, as calibrate_static_width does. A fixed mask needs no router."""
+    n_attn, n_ffn = check_groups(cfg, wcfg)
+    keep = lambda g: (g - int(round(target * g))) / g
+    return flop_fraction(cfg, None, [keep(n_attn)] * cfg.n_layers, [keep(n_ffn)] * cfg.n_layers)
+
+
+def static_steps(cfg, wcfg, points=999):
+    """Static width's FLOPs are a step function of the target (whole groups): [(target, flops)], one target
+    per step (the middle of its range, clear of rounding ties), in decreasing FLOPs."""
+    runs = {}
+    for i in range(points):
+        t = 0.99 * i / (points - 1)
+        runs.setdefault(round(static_flop_fraction(cfg, wcfg, t), 12), []).append(t)
+    return sorted(((ts[len(ts) // 2], f) for f, ts in runs.items()), key=lambda p: -p[1])
+
+
 # ----------------------------------------------------------------------------------------------------
 # TEAL-style thresholds
 
@@ -119,3 +137,11 @@ def teal_flop_fraction(model):
             m = getattr(getattr(layer, parent), n)
             done += per_proj[n] * (1 - m.zeroed / max(1, m.total))
     return done / (f["head"] + model.config.n_layers * (f["q"] + f["kv"] + f["o"] + f["ffn"]))
+
+
+def teal_nominal_flop_fraction(cfg, sparsity):
+    """The FLOPs TEAL executes if exactly `sparsity` of every projection's inputs are zeroed (the head runs
+    dense): what its target is solved from before the realized fraction (teal_flop_fraction) is measured."""
+    f = linear_flops(cfg)
+    layers = cfg.n_layers * (f["q"] + f["kv"] + f["o"] + f["ffn"])
+    return (f["head"] + (1 - sparsity) * layers) / (f["head"] + layers)

@@ -1,12 +1,20 @@
 """
-The quality table: held-out perplexity of every method on the held-out plays, at nominal sparsity and
-at a matched fraction of executed linear FLOPs.
+The quality table: held-out perplexity of every method on the held-out plays, next to the sparsity the
+routers actually realized there and the fraction of linear-layer FLOPs actually executed, and again at
+matched executed FLOPs.
 
-    python eval.py            # reads out/, writes results/quality.json and results/quality.md
+    python eval.py   # reads out/, writes results/quality.json, results/quality.md and results/quality.png
 
-Rows: dense; WIDE stage 1 and stage 2 and layer-skip stage 1 and stage 2 for every target trained
-under out/ (train.py --method ... --sparsity ...); static width and TEAL-style thresholds (both
-training-free, calibrated here on training text). Routing is deterministic (eval mode) throughout.
+Rows:
+  dense        out/base
+  wide         stage 1 and stage 2 of every target trained under out/ (train.py --sparsity ..., or
+               --attn-sparsity/--ffn-sparsity), each with the dial its stage calibrated to its own target
+  wide dial    the stage-2 routers trained at --dial-from (0.5) dialled to other sparsities (--dial):
+               wide.load_dialled, offsets cached in the checkpoint's dial.json
+  layerskip    stage 1 and stage 2 of every layer-skip target (train.py --method layerskip)
+  static, teal the training-free baselines, calibrated here on training text (baselines.py)
+Routing is deterministic (eval mode) throughout. Per-layer realized sparsity goes to quality.json and a
+table of quality.md.
 """
 import argparse
 import datetime
@@ -25,57 +33,106 @@ import wide
 from model import CheckpointError, Transformer, load_tokenizer
 
 
+@torch.no_grad()
 def score(model, x, y, args):
-    loss, rates = train.evaluate(model, x, y, args.batch_size, args.device)
-    return math.exp(loss), rates
+    """(perplexity over every held-out token, {kind: [skip rate of each layer]}) with deterministic routing."""
+    model.eval()
+    total, count, per_layer = 0.0, 0, {}
+    for i in range(0, len(x), args.batch_size):
+        xb, yb = x[i:i + args.batch_size].to(args.device), y[i:i + args.batch_size].to(args.device)
+        masks = {}
+        _, loss = model(xb, yb, masks=masks)
+        total += loss.item() * yb.numel()
+        count += yb.numel()
+        for kind, layers in masks.items():
+            acc = per_layer.setdefault(kind, [0.0] * len(layers))
+            for l, keep in enumerate(layers):
+                acc[l] += (1 - keep.float().mean().item()) * yb.numel()
+    return math.exp(total / count), {k: [v / count for v in acc] for k, acc in per_layer.items()}
 
 
-def row(method, stage, target, ppl, attn, ffn, flops):
-    return dict(method=method, stage=stage, target_sparsity=target, val_ppl=round(ppl, 3),
-                attn_sparsity=round(attn, 4), ffn_sparsity=round(ffn, 4), linear_flop_fraction=round(flops, 4))
+def row(method, stage, target, ppl, attn, ffn, flops, **extra):
+    """attn, ffn: per-layer skip rates (lists) or one rate for every layer."""
+    mean = lambda v: sum(v) / len(v) if isinstance(v, list) else v
+    r = dict(method=method, stage=stage, target_sparsity=target, val_ppl=round(ppl, 3),
+             attn_sparsity=round(mean(attn), 4), ffn_sparsity=round(mean(ffn), 4),
+             linear_flop_fraction=round(flops, 4))
+    if isinstance(attn, list):
+        r.update(attn_per_layer=[round(a, 4) for a in attn], ffn_per_layer=[round(f, 4) for f in ffn])
+    r.update(extra)
+    return r
+
+
+def realized(r):
+    """The realized counterpart of a row's target: the mean of attention and FFN (or the layer) skip rate."""
+    return r["attn_sparsity"] if r["method"] == "layerskip" else 0.5 * (r["attn_sparsity"] + r["ffn_sparsity"])
+
+
+def model_row(model, wcfg, x, y, args, method, target, **extra):
+    ppl, rates = score(model, x, y, args)
+    if wcfg.method == "layerskip":
+        r = rates["layer"]
+        flops = wide.flop_fraction(model.config, wcfg, None, None, [1 - v for v in r])
+        return row("layerskip", wcfg.stage, target, ppl, r, r, flops, **extra)
+    ra, rf = rates["attn"], rates["ffn"]
+    flops = wide.flop_fraction(model.config, wcfg, [1 - v for v in ra], [1 - v for v in rf])
+    return row(method, wcfg.stage, target, ppl, ra, rf, flops, **extra)
 
 
 def router_rows(args, x, y):
-    rows = []
+    rows, group_cfg = [], None
     for path in sorted(glob.glob(os.path.join(args.out_dir, "*-stage[12]"))):
         if not os.path.isfile(os.path.join(path, "wide.json")):
             continue
-        model, wcfg = wide.load_wide(path, device=args.device)
-        ppl, rates = score(model, x, y, args)
-        L = model.config.n_layers
-        if wcfg.method == "layerskip":
-            r = rates["layer"]
-            flops = wide.flop_fraction(model.config, wcfg, None, None, [1 - r] * L)
-            rows.append(row("layerskip", wcfg.stage, wcfg.target, ppl, r, r, flops))
-        else:
-            ra, rf = rates["attn"], rates["ffn"]
-            flops = wide.flop_fraction(model.config, wcfg, [1 - ra] * L, [1 - rf] * L)
-            rows.append(row("wide", wcfg.stage, wcfg.target, ppl, ra, rf, flops))
-        print(f"{path}: ppl {ppl:.2f}, flops {flops:.3f}", flush=True)
+        model, wcfg = wide.load_wide(path, device=args.device)  # with the dial of its own target
+        extra = dict(checkpoint=path, dialled=bool(wcfg.offsets))
+        if wcfg.attn_target is not None:
+            extra.update(attn_target=wcfg.attn_target, ffn_target=wcfg.ffn_target)
+        rows.append(model_row(model, wcfg, x, y, args, wcfg.method, wide.trained_target(wcfg), **extra))
+        if wcfg.method == "wide" and group_cfg is None:
+            group_cfg = wcfg  # the group sizes the static baseline uses
+        print(f"{path}: ppl {rows[-1]['val_ppl']:.2f}, realized {realized(rows[-1]):.3f}, "
+              f"flops {rows[-1]['linear_flop_fraction']:.3f}", flush=True)
+    return rows, group_cfg
+
+
+def dial_rows(args, x, y):
+    rows = []
+    if not os.path.isfile(os.path.join(args.dial_from, "wide.json")):
+        print(f"{args.dial_from}: not trained, no dial rows", flush=True)
+        return rows
+    for s in args.dial:
+        model, wcfg, dial = wide.load_dialled(args.dial_from, target=s, device=args.device,
+                                              block_size=args.block_size)
+        rows.append(model_row(model, wcfg, x, y, args, "wide dial", s, checkpoint=args.dial_from,
+                              trained_target=wide.trained_target(wcfg), offsets=dial["offsets"]))
+        print(f"{args.dial_from} dialled to {s:g}: ppl {rows[-1]['val_ppl']:.2f}, realized "
+              f"{realized(rows[-1]):.3f}, flops {rows[-1]['linear_flop_fraction']:.3f}", flush=True)
     return rows
 
 
+def base_model(args):
+    return Transformer.from_pretrained(os.path.join(args.out_dir, "base"), device=args.device)
+
+
 def static_row(args, x, y, calib, target, group_cfg):
-    model = Transformer.from_pretrained(os.path.join(args.out_dir, "base"), device=args.device)
+    model = base_model(args)
     wcfg = wide.WideConfig(target=target, attn_group_size=group_cfg.attn_group_size,
                            ffn_group_size=group_cfg.ffn_group_size)
     baselines.calibrate_static_width(model, wcfg, calib)
     ppl, rates = score(model, x, y, args)
-    L = model.config.n_layers
-    # A fixed mask costs nothing at run time: no router FLOPs.
-    flops = wide.flop_fraction(model.config, None, [1 - rates["attn"]] * L, [1 - rates["ffn"]] * L)
-    return row("static", 0, target, ppl, rates["attn"], rates["ffn"], flops)
+    flops = baselines.static_flop_fraction(model.config, wcfg, target)  # a fixed mask: no router FLOPs
+    return row("static", 0, round(target, 4), ppl, rates["attn"], rates["ffn"], flops)
 
 
 def teal_row(args, x, y, calib, target):
-    model = Transformer.from_pretrained(os.path.join(args.out_dir, "base"), device=args.device)
+    model = base_model(args)
     baselines.calibrate_teal(model, target, calib)
     ppl, _ = score(model, x, y, args)
-    zeroed = lambda names: sum(getattr(getattr(l, p), n).zeroed for l in model.layers for p, n in wide.LORA_TARGETS
-                               if n in names) / max(1, sum(getattr(getattr(l, p), n).total for l in model.layers
-                                                          for p, n in wide.LORA_TARGETS if n in names))
-    return row("teal", 0, target, ppl, zeroed(("q_proj", "k_proj", "v_proj", "o_proj")),
-               zeroed(("gate_proj", "up_proj", "down_proj")), baselines.teal_flop_fraction(model))
+    share = lambda names: [getattr(getattr(l, p), n) for l in model.layers for p, n in wide.LORA_TARGETS if n in names]
+    zeroed = lambda mods: sum(m.zeroed for m in mods) / max(1, sum(m.total for m in mods))
+    return row("teal", 0, round(target, 4), ppl, zeroed(share(("q_proj", "k_proj", "v_proj", "o_proj"))),
+               zeroed(share(("gate_proj", "up_proj", "down_proj"))), baselines.teal_flop_fraction(model))
 
 
 def interpolate(points, f):
@@ -99,6 +156,40 @@ def solve_target(flops_at, f_goal, lo=0.0, hi=0.95, iters=20):
     return (lo + hi) / 2
 
 
+def bracket(steps, f):
+    """The two adjacent (target, flops) steps (decreasing flops) with flops on either side of f."""
+    for hi, lo in zip(steps, steps[1:]):
+        if lo[1] <= f <= hi[1]:
+            return [hi, lo]
+    return [min(steps, key=lambda s: abs(s[1] - f))]
+
+
+def matched_entry(w, f, rows, dense_ppl, static_at, teal_at, static_steps, cfg):
+    """At WIDE row w's executed FLOPs f: layer-skip interpolated between its trained targets; static width
+    interpolated between the two whole-group steps around f; TEAL solved for f, corrected once by the FLOPs
+    it realized, and interpolated between those two measurements. Every baseline's own FLOPs are kept."""
+    entry = dict(wide_method=w["method"], wide_stage=w["stage"], wide_target=w["target_sparsity"],
+                 linear_flop_fraction=f, wide_ppl=w["val_ppl"])
+    ls = [(r["linear_flop_fraction"], r["val_ppl"]) for r in rows
+          if r["method"] == "layerskip" and r["stage"] == max(1, w["stage"])]
+    entry["layerskip_ppl"] = interpolate(ls, f)
+    st = [static_at(t) for t, _ in bracket(static_steps, f)]
+    entry["static_points"] = [(r["linear_flop_fraction"], r["val_ppl"]) for r in st]
+    entry["static_ppl"] = interpolate(entry["static_points"], f) if len(st) == 2 else None
+    t1 = solve_target(lambda t: baselines.teal_nominal_flop_fraction(cfg, t), f)
+    first = teal_at(t1)
+    slope = baselines.teal_nominal_flop_fraction(cfg, 1.0) - 1.0  # d flops / d target
+    second = teal_at(min(0.95, max(0.0, t1 + (f - first["linear_flop_fraction"]) / slope)))
+    entry["teal_points"] = [(r["linear_flop_fraction"], r["val_ppl"]) for r in (first, second)]
+    entry["teal_ppl"] = interpolate(entry["teal_points"], f)
+    if entry["teal_ppl"] is None:  # both on one side: the nearer measurement, at its own FLOPs
+        entry["teal_ppl"] = min(entry["teal_points"], key=lambda p: abs(p[0] - f))[1]
+    if entry["layerskip_ppl"] is not None:
+        gap_w, gap_l = w["val_ppl"] - dense_ppl, entry["layerskip_ppl"] - dense_ppl
+        entry["gap_ratio"] = round(gap_w / gap_l, 3) if gap_l > 0 else None
+    return entry
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", default="out")
@@ -106,11 +197,15 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--calib-batches", type=int, default=8, help="training batches to calibrate baselines on")
+    p.add_argument("--dial-from", default=None, help="router checkpoint to dial (default OUT/wide-s0.5-stage2)")
+    p.add_argument("--dial", type=float, nargs="*", default=[0.25, 0.4, 0.6, 0.75], help="sparsities to dial it to")
+    p.add_argument("--no-plot", action="store_true", help="skip results/quality.png")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
     args.device = train.pick_device(args.device)
+    args.dial_from = args.dial_from or os.path.join(args.out_dir, "wide-s0.5-stage2")
     base = os.path.join(args.out_dir, "base")
-    Transformer.config_from_dir(base)  # one clear line if there is no trained model yet
+    cfg = Transformer.config_from_dir(base)  # one clear line if there is no trained model yet
     tok = load_tokenizer(base)
     train_texts, val_texts = data.split_plays()
     x, y = data.val_windows(data.encode_plays(tok, val_texts), args.block_size)  # every held-out token
@@ -118,78 +213,130 @@ def main(argv=None):
     stream = data.encode_plays(tok, train_texts)
     calib = [data.get_batch(stream, 16, args.block_size, gen)[0].to(args.device) for _ in range(args.calib_batches)]
 
-    dense_ppl, _ = score(Transformer.from_pretrained(base, device=args.device), x, y, args)
+    dense_ppl, _ = score(base_model(args), x, y, args)
     print(f"dense: ppl {dense_ppl:.2f} over {y.numel()} held-out tokens", flush=True)
-    rows = [row("dense", 0, 0.0, dense_ppl, 0.0, 0.0, 1.0)] + router_rows(args, x, y)
-    wide_rows = [r for r in rows if r["method"] == "wide"]
-    group_cfg = wide.WideConfig()
-    if wide_rows:
-        with open(os.path.join(args.out_dir, f"wide-s{wide_rows[0]['target_sparsity']:g}-stage1", "wide.json")) as f:
-            saved = json.load(f)
-        group_cfg.attn_group_size, group_cfg.ffn_group_size = saved["attn_group_size"], saved["ffn_group_size"]
-    for target in sorted({r["target_sparsity"] for r in wide_rows} or {0.5}):
-        rows.append(static_row(args, x, y, calib, target, group_cfg))
-        rows.append(teal_row(args, x, y, calib, target))
-        print(f"static/teal at {target:g}: ppl {rows[-2]['val_ppl']:.2f} / {rows[-1]['val_ppl']:.2f}", flush=True)
+    trained, group_cfg = router_rows(args, x, y)
+    rows = [row("dense", 0, 0.0, dense_ppl, 0.0, 0.0, 1.0)] + trained + dial_rows(args, x, y)
+    group_cfg = group_cfg or wide.WideConfig()
+    wide.check_groups(cfg, group_cfg)
+    cache = {}  # baseline rows by (method, target): the matched-FLOP search reuses them
 
-    # Matched FLOPs: at each WIDE row's executed fraction, what do the other methods reach? The two
-    # training-free baselines are recalibrated at the target whose FLOP fraction matches (their FLOPs
-    # follow from the target alone: static keeps round((1-s) G) groups, TEAL zeroes ~s of each input).
-    cfg = Transformer.config_from_dir(base)
-    n_attn, n_ffn = wide.check_groups(cfg, group_cfg)
-    L, fl = cfg.n_layers, wide.linear_flops(cfg)
-    static_flops = lambda t: wide.flop_fraction(cfg, None, [1 - round(t * n_attn) / n_attn] * L,
-                                                [1 - round(t * n_ffn) / n_ffn] * L)
-    layer_total = L * (fl["q"] + fl["kv"] + fl["o"] + fl["ffn"])
-    teal_flops = lambda t: (fl["head"] + (1 - t) * layer_total) / (fl["head"] + layer_total)
-    matched = []
-    for w in wide_rows:
-        f = w["linear_flop_fraction"]
-        entry = dict(wide_stage=w["stage"], wide_target=w["target_sparsity"], linear_flop_fraction=f,
-                     wide_ppl=w["val_ppl"])
-        ls = [(r["linear_flop_fraction"], r["val_ppl"]) for r in rows
-              if r["method"] == "layerskip" and r["stage"] == w["stage"]]
-        entry["layerskip_ppl"] = interpolate(ls, f)
-        entry["static"] = static_row(args, x, y, calib, solve_target(static_flops, f), group_cfg)
-        entry["teal"] = teal_row(args, x, y, calib, solve_target(teal_flops, f))
-        if entry["layerskip_ppl"] is not None:
-            gap_w, gap_l = w["val_ppl"] - dense_ppl, entry["layerskip_ppl"] - dense_ppl
-            entry["gap_ratio"] = round(gap_w / gap_l, 3) if gap_l > 0 else None
-        matched.append(entry)
+    def baseline(method, t):
+        if (method, t) not in cache:
+            cache[method, t] = (static_row(args, x, y, calib, t, group_cfg) if method == "static"
+                                else teal_row(args, x, y, calib, t))
+            r = cache[method, t]
+            print(f"{method} at {t:.3f}: ppl {r['val_ppl']:.2f}, flops {r['linear_flop_fraction']:.3f}", flush=True)
+        return cache[method, t]
+
+    shared = sorted({r["target_sparsity"] for r in rows if r["method"] == "wide" and "attn_target" not in r} or {0.5})
+    for target in shared:
+        rows += [baseline("static", target), baseline("teal", target)]
+
+    # Matched FLOPs: at each stage-2 and dial row's executed fraction, what do the other methods reach?
+    steps = baselines.static_steps(cfg, group_cfg)
+    matched = [matched_entry(w, w["linear_flop_fraction"], rows, dense_ppl, lambda t: baseline("static", t),
+                             lambda t: baseline("teal", t), steps, cfg)
+               for w in rows if w["method"] == "wide dial" or (w["method"] == "wide" and w["stage"] == 2)]
 
     os.makedirs(args.results, exist_ok=True)
     meta = dict(date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
                 device=args.device, torch=torch.__version__, held_out_plays=list(data.HELD_OUT),
                 held_out_tokens=y.numel(), block_size=args.block_size)
+    extra_static_teal = sorted(cache.values(), key=lambda r: (r["method"], r["target_sparsity"]))
     with open(os.path.join(args.results, "quality.json"), "w") as f:
-        json.dump(dict(meta, dense_val_ppl=round(dense_ppl, 3), rows=rows, matched_flops=matched), f, indent=2)
+        json.dump(dict(meta, dense_val_ppl=round(dense_ppl, 3), rows=rows, matched_flops=matched,
+                       baseline_evaluations=extra_static_teal), f, indent=2)
     md = markdown(rows, matched, dense_ppl, meta)
     with open(os.path.join(args.results, "quality.md"), "w") as f:
         f.write(md)
     print(md)
+    if not args.no_plot:
+        plot(rows, extra_static_teal, dense_ppl, os.path.join(args.results, "quality.png"))
+
+
+def target_label(r):
+    if "attn_target" in r:
+        return f"a{r['attn_target']:g}/f{r['ffn_target']:g}"
+    return f"{r['target_sparsity']:g}"
 
 
 def markdown(rows, matched, dense_ppl, meta):
     out = [f"# Held-out perplexity ({', '.join(p.split('/')[1][:-3] for p in meta['held_out_plays'])}; "
            f"{meta['held_out_tokens']} tokens, windows of {meta['block_size']})", "",
-           f"`{meta['command']}` on {meta['device']}, torch {meta['torch']}, {meta['date']}.", "",
-           "| method | stage | target | val ppl | ppl / dense | attn sparsity | FFN sparsity | linear FLOPs |",
-           "|---|---|---|---|---|---|---|---|"]
+           f"`{meta['command']}` on {meta['device']}, torch {meta['torch']}, {meta['date']}. Sparsities and FLOPs "
+           "are what the routers (or thresholds) realized on the held-out text; `realized - target` compares the "
+           "mean of attention and FFN skip rates with the target. `wide dial` rows are the stage-2 routers "
+           "trained at the `from` target, dialled to the row's target.", "",
+           "| method | stage | target | val ppl | ppl / dense | attn sparsity | FFN sparsity | realized - target | linear FLOPs |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['method']} | {r['stage'] or '-'} | {r['target_sparsity']:g} | {r['val_ppl']:.2f} | "
-                   f"{r['val_ppl'] / dense_ppl:.3f} | {r['attn_sparsity']:.1%} | {r['ffn_sparsity']:.1%} | "
+        method = r["method"] + (f" (from {r['trained_target']:g})" if "trained_target" in r else "")
+        gap = "-" if r["method"] == "dense" else f"{realized(r) - r['target_sparsity']:+.3f}"
+        out.append(f"| {method} | {r['stage'] or '-'} | {target_label(r)} | {r['val_ppl']:.2f} | "
+                   f"{r['val_ppl'] / dense_ppl:.3f} | {r['attn_sparsity']:.1%} | {r['ffn_sparsity']:.1%} | {gap} | "
                    f"{r['linear_flop_fraction']:.1%} |")
     if matched:
-        out += ["", "At matched executed linear FLOPs (layer-skip interpolated in log-ppl between its trained "
-                "targets; static and TEAL recalibrated to the same FLOPs):", "",
-                "| WIDE row | linear FLOPs | WIDE ppl | layer-skip ppl | static ppl | TEAL ppl | WIDE gap / layer-skip gap |",
-                "|---|---|---|---|---|---|---|"]
+        pts = lambda ps: " / ".join(f"{f:.1%}" for f, _ in ps)
+        out += ["", "At matched executed linear FLOPs: layer-skip interpolated (log-ppl) between its trained targets; "
+                "static width interpolated between the two whole-group steps around the FLOPs (their FLOPs in "
+                "brackets); TEAL solved for the FLOPs, corrected once by what it realized, and interpolated "
+                "between the two (their FLOPs in brackets).", "",
+                "| WIDE row | linear FLOPs | WIDE ppl | layer-skip ppl | static ppl [FLOPs] | TEAL ppl [FLOPs] | "
+                "WIDE gap / layer-skip gap |", "|---|---|---|---|---|---|---|"]
         for m in matched:
             ls = f"{m['layerskip_ppl']:.2f}" if m["layerskip_ppl"] is not None else "not bracketed"
+            st = f"{m['static_ppl']:.2f}" if m["static_ppl"] is not None else "not bracketed"
             gr = f"{m['gap_ratio']:.2f}" if m.get("gap_ratio") is not None else "-"
-            out.append(f"| stage {m['wide_stage']}, s={m['wide_target']:g} | {m['linear_flop_fraction']:.1%} | "
-                       f"{m['wide_ppl']:.2f} | {ls} | {m['static']['val_ppl']:.2f} | {m['teal']['val_ppl']:.2f} | {gr} |")
+            name = f"{'dial' if m['wide_method'] == 'wide dial' else 'stage ' + str(m['wide_stage'])}, s={m['wide_target']:g}"
+            out.append(f"| {name} | {m['linear_flop_fraction']:.1%} | {m['wide_ppl']:.2f} | {ls} | "
+                       f"{st} [{pts(m['static_points'])}] | {m['teal_ppl']:.2f} [{pts(m['teal_points'])}] | {gr} |")
+    layered = [r for r in rows if "attn_per_layer" in r]
+    if layered:
+        L = len(layered[0]["attn_per_layer"])
+        out += ["", "Realized sparsity per layer (attention / FFN) on the held-out text:", "",
+                "| method | stage | target | " + " | ".join(f"layer {l}" for l in range(L)) + " |",
+                "|---|---|---|" + "---|" * L]
+        for r in layered:
+            cells = " | ".join(f"{a:.2f} / {f:.2f}" for a, f in zip(r["attn_per_layer"], r["ffn_per_layer"]))
+            out.append(f"| {r['method']} | {r['stage'] or '-'} | {target_label(r)} | {cells} |")
     return "\n".join(out) + "\n"
+
+
+def plot(rows, baseline_rows, dense_ppl, path):
+    """Held-out perplexity against executed linear FLOPs, one line per method."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    series = {"WIDE stage 2 (trained)": [r for r in rows if r["method"] == "wide" and r["stage"] == 2],
+              "WIDE stage 1 (trained)": [r for r in rows if r["method"] == "wide" and r["stage"] == 1],
+              "WIDE dial (stage 2 from 0.5)": [r for r in rows if r["method"] == "wide dial"],
+              "layer-skip stage 2": [r for r in rows if r["method"] == "layerskip" and r["stage"] == 2],
+              "layer-skip stage 1": [r for r in rows if r["method"] == "layerskip" and r["stage"] == 1],
+              "static width": [r for r in baseline_rows if r["method"] == "static"],
+              "TEAL-style": [r for r in baseline_rows if r["method"] == "teal"]}
+    style = {"WIDE stage 2 (trained)": "o-", "WIDE stage 1 (trained)": "o:", "WIDE dial (stage 2 from 0.5)": "s--",
+             "layer-skip stage 2": "^-", "layer-skip stage 1": "^:", "static width": "x-", "TEAL-style": "d-"}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, rs in series.items():
+        pts = sorted((r["linear_flop_fraction"], r["val_ppl"]) for r in rs if "attn_target" not in r)
+        if pts:
+            ax.plot([100 * f for f, _ in pts], [p for _, p in pts], style[name], label=name)
+    ax.plot([100], [dense_ppl], "k*", markersize=12, label="dense")
+    ax.set_yscale("log")
+    ax.set_ylim(dense_ppl * 0.97, dense_ppl * 3)
+    ax.set_xlabel("executed linear FLOPs (% of dense)")
+    ax.set_ylabel("held-out perplexity (log scale)")
+    ax.set_title("Quality against executed FLOPs (held-out plays)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

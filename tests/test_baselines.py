@@ -157,3 +157,89 @@ def test_teal_flop_fraction_counts_each_projection_by_its_zeroed_share():
             m = getattr(getattr(layer, parent), name)
             m.zeroed, m.total = {"q_proj": (1, 4), "down_proj": (4, 4)}.get(name, (0, 4))
     assert baselines.teal_flop_fraction(model) == pytest.approx((dense - 2 * (0.25 * q + ffn / 3)) / dense)
+
+
+def test_teal_nominal_flops_zero_exactly_s_of_every_projection_input_and_keep_the_head():
+    cfg = random_model(vocab_size=50).config
+    q = o = 32 * 4 * 8
+    kv, ffn, head = 2 * 32 * 2 * 8, 3 * 32 * 64, 32 * 50
+    layers = 2 * (q + kv + o + ffn)
+    assert baselines.teal_nominal_flop_fraction(cfg, 0.0) == 1.0
+    assert baselines.teal_nominal_flop_fraction(cfg, 0.4) == pytest.approx((head + 0.6 * layers) / (head + layers))
+
+
+# ----------------------------------------------------------------------------------------------------
+# static width's FLOPs, and the matched-FLOP comparison of eval.py
+
+
+def test_static_flop_fraction_counts_the_whole_groups_each_layer_keeps():
+    cfg, wcfg = random_model().config, wide_config()  # 2 head groups, 4 channel groups of 16
+    for target, keep_attn, keep_ffn in ((0.0, 1.0, 1.0), (0.5, 0.5, 0.5), (0.3, 0.5, 0.75), (0.9, 0.0, 0.0)):
+        expected = wide.flop_fraction(cfg, None, [keep_attn] * 2, [keep_ffn] * 2)
+        assert baselines.static_flop_fraction(cfg, wcfg, target) == pytest.approx(expected), target
+
+
+def test_static_steps_are_every_reachable_flop_fraction_in_decreasing_order():
+    cfg, wcfg = random_model().config, wide_config()
+    steps = baselines.static_steps(cfg, wcfg)
+    flops = [f for _, f in steps]
+    assert flops[0] == 1.0 and all(a > b for a, b in zip(flops, flops[1:]))
+    for t, f in steps:
+        assert baselines.static_flop_fraction(cfg, wcfg, t) == f
+    # Every (kept head groups, kept channel groups) pair the targets reach is there: 0..2 x 0..4 along t.
+    grid = {baselines.static_flop_fraction(cfg, wcfg, i / 1000) for i in range(990)}
+    assert set(flops) == {f for f in grid}
+
+
+def fake_baseline(method, flops_of, ppl_of):
+    calls = []
+
+    def at(t):
+        calls.append(t)
+        f = flops_of(t)
+        return dict(method=method, target_sparsity=t, linear_flop_fraction=f, val_ppl=ppl_of(f))
+    return at, calls
+
+
+def test_matched_flops_bracket_static_between_two_steps_and_correct_teal_once_by_its_realized_flops():
+    import eval as ev
+    cfg, wcfg = random_model().config, wide_config()
+    steps = baselines.static_steps(cfg, wcfg)
+    f = 0.7
+    w = dict(method="wide", stage=2, target_sparsity=0.5, linear_flop_fraction=f, val_ppl=50.0)
+    ppl = lambda x: 40.0 / x  # any decreasing curve
+    static_at, static_calls = fake_baseline("static", lambda t: baselines.static_flop_fraction(cfg, wcfg, t), ppl)
+    # TEAL realizes 0.05 less sparsity than its target: the first solve overshoots the FLOPs, the second corrects.
+    nominal = lambda t: baselines.teal_nominal_flop_fraction(cfg, t)
+    teal_at, teal_calls = fake_baseline("teal", lambda t: nominal(t - 0.05), ppl)
+    m = ev.matched_entry(w, f, [w], 40.0, static_at, teal_at, steps, cfg)
+    (f_hi, _), (f_lo, _) = m["static_points"]
+    assert f_hi >= f >= f_lo and len(static_calls) == 2, "static width is measured on both sides of the FLOPs"
+    assert m["static_ppl"] == pytest.approx(ev.interpolate(m["static_points"], f))
+    assert len(teal_calls) == 2
+    assert m["teal_points"][0][0] > f + 0.01, "the first TEAL solve runs more FLOPs than asked"
+    assert m["teal_points"][1][0] == pytest.approx(f, abs=1e-3), "one correction lands on the FLOPs"
+    assert m["teal_ppl"] == pytest.approx(ppl(f), rel=0.01)
+    assert m["layerskip_ppl"] is None  # no layer-skip rows: nothing to interpolate
+
+
+def test_eval_reads_runs_trained_with_separate_targets(tmp_path):
+    # out/wide-a0.6-f0.4-stage1 (train.py --attn-sparsity 0.6 --ffn-sparsity 0.4) has no wide-s*-stage1
+    # sibling: eval.py must take the group sizes from the run itself and label its target.
+    import types
+    import data
+    import eval as ev
+    tok = data.train_tokenizer(["To be, or not to be, that is the question."] * 4, 300)
+    model, wcfg = wide_model(attn_target=0.6, ffn_target=0.4)
+    wide.save_wide(str(tmp_path / "wide-a0.6-f0.4-stage1"), model, tok, wcfg)
+    args = types.SimpleNamespace(out_dir=str(tmp_path), batch_size=4, device="cpu")
+    x = tokens(4, 16)
+    rows, group_cfg = ev.router_rows(args, x, x.roll(-1, 1))
+    assert (group_cfg.attn_group_size, group_cfg.ffn_group_size) == (2, 16)
+    (r,) = rows
+    assert (r["target_sparsity"], r["attn_target"], r["ffn_target"]) == (0.5, 0.6, 0.4)
+    assert len(r["attn_per_layer"]) == 2 and len(r["ffn_per_layer"]) == 2
+    meta = dict(held_out_plays=["a/b.md"], held_out_tokens=64, block_size=16, command="python eval.py",
+                device="cpu", torch="x", date="today")
+    md = ev.markdown(rows, [], 40.0, meta)
+    assert "| a0.6/f0.4 |" in md
