@@ -31,6 +31,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import wide
 from data import calibration_windows, encode_plays, get_batch, split_plays, train_tokenizer, val_windows
@@ -66,7 +67,7 @@ def fmt_time(s):
 
 
 def train_loop(model, params, data, val, args, *, steps, lr, min_lr, warmup, weight_decay, name,
-               wcfg=None, state=None, stopper=None, betas=(0.9, 0.95), decay_1d=False):
+               wcfg=None, state=None, stopper=None, betas=(0.9, 0.95), decay_1d=False, teacher=None, distill=0.0):
     """AdamW + warm-up/cosine + grad clipping; one progress line per eval interval.
 
     wcfg None: base pretraining, the loss is the cross-entropy. A WideConfig: stage 1 or 2, the loss
@@ -81,6 +82,8 @@ def train_loop(model, params, data, val, args, *, steps, lr, min_lr, warmup, wei
 
     betas, decay_1d: base pretraining uses nanoGPT's AdamW (betas 0.9/0.95, no decay on norms and
     biases); the WIDE stages pass the paper's (torch's defaults: betas 0.9/0.999, decay on every parameter).
+    teacher, distill: an optional extension, off by default (not the paper's): add distill * KL(teacher's
+    next-token distribution || the model's) to the loss, the teacher being the frozen dense model.
     """
     stopper = stopper or Stopper()
     device = args.device
@@ -129,11 +132,16 @@ def train_loop(model, params, data, val, args, *, steps, lr, min_lr, warmup, wei
         x, y = x.to(device), y.to(device)
         masks = {}
         with autocast(device):
-            _, ce = fwd(x, y, masks=masks)
+            logits, ce = fwd(x, y, masks=masks)
             # The skip rates of the global batch (see global_mean): the penalty must not depend on how
             # many processes share the batch.
             rates = {k: global_mean(v) for k, v in wide.skip_rates(masks).items()}
             loss = ce + wide.sparsity_penalty(rates, wcfg)  # the paper's loss: CE + 20 |s* - rate|
+            if teacher is not None:  # optional distillation to the dense model (off by default)
+                with torch.no_grad():
+                    target = F.log_softmax(teacher(x).float(), -1).flatten(0, 1)
+                student = F.log_softmax(logits.float(), -1).flatten(0, 1)
+                loss = loss + distill * F.kl_div(student, target, log_target=True, reduction="batchmean")
         # 3) backward, clip, update
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -262,6 +270,9 @@ def train_stage(args, wcfg, stage, tok, data, val, stopper=None):
         wide.install_lora(model, args.lora_rank, args.lora_alpha)
         wcfg.lora_rank, wcfg.lora_alpha = args.lora_rank, args.lora_alpha
         steps, lr = args.stage2_steps, args.stage2_lr
+    teacher = None
+    if stage == 2 and getattr(args, "distill", 0.0) > 0:  # the frozen dense model, for --distill
+        teacher = Transformer.from_pretrained(args.base_dir, device=device).eval().requires_grad_(False)
     wcfg.stage = stage
     params = [p for n, p in model.named_parameters() if "router" in n or "lora_" in n]
     for p in params:
@@ -274,7 +285,8 @@ def train_stage(args, wcfg, stage, tok, data, val, stopper=None):
     # every parameter) with weight decay 0.01, 10% warm-up, cosine to 0.
     result = train_loop(model, params, data, val, args, steps=steps, lr=lr, min_lr=0.0,
                         warmup=max(1, steps // 10), weight_decay=0.01, name=name, wcfg=wcfg,
-                        state=state_path(out), stopper=stopper, betas=(0.9, 0.999), decay_1d=True)
+                        state=state_path(out), stopper=stopper, betas=(0.9, 0.999), decay_1d=True,
+                        teacher=teacher, distill=getattr(args, "distill", 0.0))
     # The dial: calibrate the routers to their own target on training windows, so that deterministic
     # routing realizes it (the Gumbel-trained rate drifts at inference); saved in wide.json.
     windows = calibration_windows(data, args.block_size, wide.CALIB_WINDOWS, wide.CALIB_SEED).to(device)
@@ -328,6 +340,8 @@ def parse_args(argv=None):
     p.add_argument("--stage2-steps", type=int, default=500)
     p.add_argument("--stage2-lr", type=float, default=2e-4)
     p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--distill", type=float, default=0.0, help="stage 2: add this weight times the KL divergence "
+                   "to the dense model's next-token distribution (an extension, not the paper's; off by default)")
     p.add_argument("--eval-interval", type=int, default=100)
     p.add_argument("--val-windows", type=int, default=64, help="held-out windows scored at each interval")
     p.add_argument("--retrain-base", action="store_true", help="pretrain again even if OUT/base exists")

@@ -228,3 +228,21 @@ def test_each_stage_restarts_the_temperature_at_5(teacher, tokenizer, tmp_path, 
     assert taus == pytest.approx([5.0, 2.75, 0.5])
     _, saved = wide.load_wide(train.run_dir(args, wcfg, 2))
     assert (saved.stage, saved.lora_rank) == (2, 4)
+
+
+def test_distillation_is_off_by_default_and_stage_2_only(tokenizer, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(train, "train_loop", lambda model, params, data, val, args, **kw: calls.append(kw) or
+                        dict(steps=kw["steps"], seconds=0.0, history=[]))
+    stream, val = tokens(1, 4000).reshape(-1), (tokens(4, 32, seed=1), tokens(4, 32, seed=2))
+    for extra in ([], ["--distill", "0.5"]):
+        args, _ = train.parse_args(["--device", "cpu", "--out-dir", str(tmp_path), "--block-size", "32", *extra])
+        save_checkpoint(args.base_dir, random_model(), tokenizer)
+        wcfg = wide_config()
+        train.train_stage(args, wcfg, 1, tokenizer, stream, val)
+        train.train_stage(args, wcfg, 2, tokenizer, stream, val)
+    (d1, d2), (x1, x2) = calls[:2], calls[2:]
+    assert d1["teacher"] is None and d2["teacher"] is None and args.distill == 0.5
+    assert x1["teacher"] is None, "stage 1 never distills"
+    assert isinstance(x2["teacher"], Transformer) and x2["distill"] == 0.5
+    assert not any(p.requires_grad for p in x2["teacher"].parameters())
