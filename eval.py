@@ -200,6 +200,7 @@ def main(argv=None):
     p.add_argument("--dial-from", default=None, help="router checkpoint to dial (default OUT/wide-s0.5-stage2)")
     p.add_argument("--dial", type=float, nargs="*", default=[0.25, 0.4, 0.6, 0.75], help="sparsities to dial it to")
     p.add_argument("--no-plot", action="store_true", help="skip results/quality.png")
+    p.add_argument("--no-baselines", action="store_true", help="router rows only (no static width, TEAL, matching)")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
     args.device = train.pick_device(args.device)
@@ -230,14 +231,14 @@ def main(argv=None):
         return cache[method, t]
 
     shared = sorted({r["target_sparsity"] for r in rows if r["method"] == "wide" and "attn_target" not in r} or {0.5})
-    for target in shared:
+    for target in [] if args.no_baselines else shared:
         rows += [baseline("static", target), baseline("teal", target)]
 
     # Matched FLOPs: at each stage-2 and dial row's executed fraction, what do the other methods reach?
     steps = baselines.static_steps(cfg, group_cfg)
     matched = [matched_entry(w, w["linear_flop_fraction"], rows, dense_ppl, lambda t: baseline("static", t),
                              lambda t: baseline("teal", t), steps, cfg)
-               for w in rows if w["method"] == "wide dial" or (w["method"] == "wide" and w["stage"] == 2)]
+               for w in rows if not args.no_baselines and (w["method"] == "wide dial" or (w["method"] == "wide" and w["stage"] == 2))]
 
     os.makedirs(args.results, exist_ok=True)
     meta = dict(date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
