@@ -33,7 +33,8 @@ def test_wide_config_defaults_are_the_papers():
         attn_group_size=0,   # one KV group of query heads per decision
         ffn_group_size=32,   # 32 contiguous channels per decision
         rank=32,             # router bottleneck
-        lora_rank=0, lora_alpha=32.0, stage=1)
+        lora_rank=0, lora_alpha=32.0, stage=1,
+        offsets=None)        # no dial until a stage calibrates one (wide.calibrate)
     assert wide.PENALTY_WEIGHT == 20.0
 
 
