@@ -261,6 +261,9 @@ def case_q(s, T, with_kv):
 
     def sparse(mask, i, config=None):
         m, cfg = with_layout(mask, config, T)
+        if with_kv and T <= kernels.SMALL_M:  # decode: one stream, K/V as always-live groups (engine.py)
+            qkv = kernels.gemm_mn(x, w[i], m, gs, config=cfg, dense_tail=N - NQ)
+            return qkv[:, :NQ], qkv[:, NQ:]
         q = kernels.gemm_mn(x, w[i][:NQ], m, gs, config=cfg)
         return (q, F.linear(x, w[i][NQ:])) if with_kv else q
 
@@ -270,6 +273,7 @@ def case_q(s, T, with_kv):
 
     keep = lambda mask: (mask.repeat_interleave(gs, 1), None) if with_kv else mask.repeat_interleave(gs, 1)
     name = f"Q/K/V proj (Q pruned, {gs}-ch groups; K/V dense)" if with_kv else f"q_proj (gemm_mn, {gs}-ch groups)"
+    # (decode: Q's live groups, K and V in one gemv_mn launch; prefill: gemm_mn for Q, cuBLAS for K/V)
     return Case(name, T, 1, 0, (T, NQ // gs), 2 * T * N * D, nbytes, NQ * D * e / nbytes, copies,
                 dense={"dense": [lambda i=i: F.linear(x, w[i]) for i in range(copies)]}, sparse=sparse,
                 reference=reference, keep=keep)
@@ -527,6 +531,10 @@ def tune_table(s):
                                                    v(8, 1, BN=8, BK=1024, programs_per_sm=4),
                                                    v(4, 1, BN=8, BK=1024, programs_per_sm=4)]),
         "gemm_k": (lambda: case_k(s, M, FFN, s.ffn_gs, "down"), [v(8, 4, BM=128, BN=128, BK=64)]),
+        "gemv_mn_1 qkv": (lambda: case_q(s, 1, True), [v(4, 1, BN=4, BK=1024, programs_per_sm=2),
+                                                       v(4, 1, BN=4, BK=1024, programs_per_sm=4),
+                                                       v(4, 1, BN=4, BK=2048, programs_per_sm=3),
+                                                       v(4, 1, BN=8, BK=1024, programs_per_sm=2)]),
         "gemm_k_small_long_k": (lambda: case_k(s, 1, FFN, s.ffn_gs, "down"), [
             v(4, 4, BM=16, BN=32, BK=128, SPLIT=4), v(4, 6, BM=16, BN=64, BK=128, SPLIT=8),
             v(4, 6, BM=16, BN=32, BK=128, SPLIT=8), v(4, 4, BM=16, BN=128, BK=128, SPLIT=8),
@@ -554,10 +562,11 @@ def run_tune(s, args, argv):
         dense_fns = case.dense[case.baseline[0]]
         dense_ms = graph_ms(s, dense_fns) if case.decode else bench_ms(s, dense_fns[0])
         print(f"{key} ({case.op}, {case.tokens} tokens): dense {dense_ms * 1e3:.1f} us, "
-              f"current {kernels.CONFIGS[key]}", flush=True)
+              f"current {kernels.CONFIGS[key.split()[0]]}", flush=True)
         results[key] = dict(op=case.op, tokens=case.tokens, timing="cuda_graph" if case.decode else "do_bench",
-                            dense_ms=dense_ms, current=kernels.CONFIGS[key], variants=[])
-        todo = [dict(kernels.CONFIGS[key])] + [v for v in variants if v != kernels.CONFIGS[key]]
+                            dense_ms=dense_ms, current=kernels.CONFIGS[key.split()[0]], variants=[])
+        current = kernels.CONFIGS[key.split()[0]]  # "gemv_mn_1 qkv": the gemv_mn_1 entry on another shape
+        todo = [dict(current)] + [v for v in variants if v != current]
         for v in todo[:2] if s.smoke else todo:  # --smoke: the sweep's code path, not its width
             try:
                 checks = [check(case, full, v), check(case, half, v)]
