@@ -38,8 +38,8 @@ import torch
 import engine
 import wide
 from bench_kernels import COPY_GBS, meta, need_device, out_prefix, save
-from generate import CUDAGraphDecoder, find_router_checkpoint, generate, routers_off, routers_on
-from model import ModelConfig, Transformer, rope_frequencies
+from generate import CUDAGraphDecoder, generate, routers_off, routers_on
+from model import CheckpointError, ModelConfig, Transformer, rope_frequencies
 
 
 @dataclass
@@ -318,10 +318,10 @@ def small_rows(run, args):
     try:
         if run.smoke:
             raise SystemExit
-        path = find_router_checkpoint(args.small_dir, "wide", 0.5)
+        path = wide.nearest_checkpoint(args.small_dir, "wide", 0.5)
         m, wcfg = wide.load_wide(path, device=run.device, dtype=run.dtype)
         source = f"trained checkpoint {path} (stage {wcfg.stage})"
-    except SystemExit:
+    except (SystemExit, CheckpointError):
         m, wcfg = e2e_model(run, run.small_preset)
         calibrate_routers(m, 0.5, run.calibrate_tokens // 2)
         source = "random weights, calibrated random routers (no trained checkpoint found)"
