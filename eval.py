@@ -329,7 +329,8 @@ def plot(rows, baseline_rows, dense_ppl, path):
             ax.plot([100 * f for f, _ in pts], [p for _, p in pts], style[name], label=name)
     ax.plot([100], [dense_ppl], "k*", markersize=12, label="dense")
     ax.set_yscale("log")
-    ax.set_ylim(dense_ppl * 0.97, dense_ppl * 3)
+    top = max([r["val_ppl"] for rs in series.values() for r in rs] + [dense_ppl])
+    ax.set_ylim(dense_ppl * 0.97, min(top * 1.05, dense_ppl * 4))  # static width at 0.75 (6x dense) is off the top
     ax.set_xlabel("executed linear FLOPs (% of dense)")
     ax.set_ylabel("held-out perplexity (log scale)")
     ax.set_title("Quality against executed FLOPs (held-out plays)")

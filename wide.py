@@ -429,7 +429,7 @@ def collect_gaps(model, windows, offsets, batch_size=32):
         for i in range(0, len(windows), batch_size):
             model(windows[i:i + batch_size])
     model.train(was)
-    return {k: torch.cat(v).double() for k, v in gaps.items()}
+    return {k: torch.cat(v).double().cpu() for k, v in gaps.items()}  # the solves below run on the CPU
 
 
 def solve_shift(gaps, target, iters=60):
