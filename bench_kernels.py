@@ -524,14 +524,14 @@ def tune_table(s):
     return {
         "gemm_mn_fused": (lambda: case_gate_up(s, M), [v(8, 2, block_m=128, BN=128, BK=128),
                                                        v(8, 4, block_m=256, BN=64, BK=64)]),
-        "gemv_mn_1": (lambda: case_gate_up(s, 1), [v(4, 1, BN=4, BK=1024, programs_per_sm=4),
+        "gemv_mn_1_fused": (lambda: case_gate_up(s, 1), [v(4, 1, BN=4, BK=1024, programs_per_sm=7),
                                                    v(4, 1, BN=4, BK=1024, programs_per_sm=10),
                                                    v(4, 1, BN=8, BK=512, programs_per_sm=6),
                                                    v(4, 1, BN=2, BK=2048, programs_per_sm=8),
                                                    v(8, 1, BN=8, BK=1024, programs_per_sm=4),
                                                    v(4, 1, BN=8, BK=1024, programs_per_sm=4)]),
         "gemm_k": (lambda: case_k(s, M, FFN, s.ffn_gs, "down"), [v(8, 4, BM=128, BN=128, BK=64)]),
-        "gemv_mn_1 qkv": (lambda: case_q(s, 1, True), [v(4, 1, BN=4, BK=1024, programs_per_sm=2),
+        "gemv_mn_1": (lambda: case_q(s, 1, True), [v(4, 1, BN=4, BK=1024, programs_per_sm=2),
                                                        v(4, 1, BN=4, BK=1024, programs_per_sm=4),
                                                        v(4, 1, BN=4, BK=2048, programs_per_sm=3),
                                                        v(4, 1, BN=8, BK=1024, programs_per_sm=2)]),
@@ -565,7 +565,7 @@ def run_tune(s, args, argv):
               f"current {kernels.CONFIGS[key.split()[0]]}", flush=True)
         results[key] = dict(op=case.op, tokens=case.tokens, timing="cuda_graph" if case.decode else "do_bench",
                             dense_ms=dense_ms, current=kernels.CONFIGS[key.split()[0]], variants=[])
-        current = kernels.CONFIGS[key.split()[0]]  # "gemv_mn_1 qkv": the gemv_mn_1 entry on another shape
+        current = kernels.CONFIGS[key.split()[0]]
         todo = [dict(current)] + [v for v in variants if v != current]
         for v in todo[:2] if s.smoke else todo:  # --smoke: the sweep's code path, not its width
             try:

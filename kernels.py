@@ -37,7 +37,10 @@ CONFIGS = {
     "block_m": 128,  # layout tile (gemm_mn token tile, gemm_k atomic token tile)
     "gemm_mn": dict(BN=128, BK=64, num_warps=8, num_stages=4),
     "gemm_mn_fused": dict(BN=128, BK=64, num_warps=8, num_stages=4),
-    "gemv_mn_1": dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=7),
+    # One token. gate+up (two weights per step) streams best with more programs; Q with K and V (one
+    # weight, a third of the bytes) with fewer, longer ones (12.3 vs 15.7 us at 7 per SM, H200).
+    "gemv_mn_1_fused": dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4),
+    "gemv_mn_1": dict(BN=4, BK=2048, num_warps=4, num_stages=1, programs_per_sm=3),
     "gemv_mn": dict(BN=16, BK=256, num_warps=4, num_stages=1, programs_per_sm=2),
     "gemm_k": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
     # Decode O projection (K = 4096, 8 groups): split over 4 programs too (one token: 12.0 -> 10.2 us, H200).
@@ -55,6 +58,7 @@ if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per ele
         "block_m": 16,
         "gemm_mn": dict(BN=32, BK=32), "gemm_mn_fused": dict(BN=32, BK=32),
         "gemv_mn": dict(BN=16, BK=32, programs_per_sm=1), "gemv_mn_1": dict(BN=8, BK=32, programs_per_sm=1),
+        "gemv_mn_1_fused": dict(BN=8, BK=32, programs_per_sm=1),
         "gemm_k": dict(BM=16, BN=32, BK=16), "gemm_k_small": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_small_long_k": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_atomic": dict(BN=32, BK=16),
@@ -385,7 +389,7 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     out = _empty((M, N), x.dtype, x.device)
     ieee = x.dtype == torch.float32
     if M <= SMALL_M:  # decode: GEMV straight from the mask
-        cfg = _config("gemv_mn_1" if M == 1 else "gemv_mn", config)
+        cfg = _config(("gemv_mn_1_fused" if fused else "gemv_mn_1") if M == 1 else "gemv_mn", config)
         m = _flat_mask(mask_or_layout).view(torch.uint8)
         P = cfg["programs_per_sm"] * _num_sms(x.device)
         GP = max(2, triton.next_power_of_2(G + GE))
