@@ -436,26 +436,34 @@ def norm_route(x, norm, router, residual=None, ticket=None):
     ticket = torch.zeros(1, dtype=torch.int32, device=x.device) if ticket is None else ticket
     BT = max(2, triton.next_power_of_2(M))
     RB = triton.next_power_of_2(R) if INTERPRET else 1  # the interpreter pays per program
+    RP, BG = triton.next_power_of_2(R), max(2, triton.next_power_of_2(G))
+    # A few tokens: the second Linear in the same launch (its last program goes token by token). More
+    # tokens (batched decode): a second, token-parallel launch is faster than that serial tail.
+    up_here = M <= 4
     _norm_route_kernel[(triton.cdiv(R, RB),)](
         x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, z, up.weight, up.bias, keep, keepf, ticket,
-        M, D, R, G, HAS_RES=residual is not None, BT=BT, RB=RB, BK=min(triton.next_power_of_2(D), max(16, 4096 // BT)),
-        RP=triton.next_power_of_2(R), BG=max(2, triton.next_power_of_2(G)), num_warps=4)
+        M, D, R, G, HAS_RES=residual is not None, UP=up_here, BT=BT, RB=RB,
+        BK=min(triton.next_power_of_2(D), max(16, 4096 // BT)), RP=RP, BG=BG, num_warps=4)
+    if not up_here:
+        TB, BGU = (BT, BG) if INTERPRET else (1, min(64, BG))
+        _router_up_kernel[(triton.cdiv(M, TB), triton.cdiv(G, BGU))](z, up.weight, up.bias, keep, keepf, M, G, R,
+                                                                     TB=TB, RP=RP, BG=BGU, num_warps=4)
     normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
     return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G)
 
 
 @triton.jit
 def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, ticket, M, D, R, G,
-                       HAS_RES: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr,
-                       RP: tl.constexpr, BG: tl.constexpr):
+                       HAS_RES: tl.constexpr, UP: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
+                       BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr):
     """Residual add + RMSNorm + router for the M <= BT tokens of a step. Grid (cdiv(R, RB),).
 
     Every program forms h = res + x (rounded to the model dtype as `x + a` is) and the router's first
     Linear for its RB ranks, z = h @ wd[r] + bd[r] in fp32; program 0 also writes h and RMSNorm(h). The
     last program to take a ticket (the others' z are then visible) applies the second Linear and the
     rule of wide.Router: skip iff z_skip > z_exec, a tie executes; it resets the ticket. Deterministic:
-    each z is one program's fixed-order sum, and one program does the rest. Skips nothing.
-    Twin: norm_route_ref."""
+    each z is one program's fixed-order sum, and one program does the rest. UP=False leaves the
+    second Linear to _router_up_kernel (many tokens). Skips nothing. Twin: norm_route_ref."""
     pid = tl.program_id(0)
     t = tl.arange(0, BT)
     tok = t < M
@@ -477,23 +485,24 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
         acc += hf[:, None, :] * w[None, :, :]
     zt = tl.sum(acc, 2) + tl.load(bd + r, mask=r < R, other=0.0)[None, :]
     tl.store(z + t[:, None] * R + r[None, :], zt, mask=tok[:, None] & (r < R)[None, :])
-    # The second Linear's weights, loaded by every program before the ticket: whichever program is
-    # last then has them at hand instead of starting a dependent load.
-    g = tl.arange(0, BG)
-    rr = tl.arange(0, RP)
-    wm = (g < G)[:, None] & (rr < R)[None, :]
-    w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
-    w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
-    b_exec = tl.load(bu + 2 * g, mask=g < G, other=0.0)
-    b_skip = tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
-    tl.debug_barrier()  # every thread's z is stored before the ticket is taken (release)
-    if tl.atomic_add(ticket, 1) == tl.num_programs(0) - 1:  # the last program: z is complete
-        tl.atomic_xchg(ticket, 0)
-        for m in range(0, M):
-            zr = tl.load(z + m * R + rr, mask=rr < R, other=0.0, cache_modifier=".cg")[None, :]
-            run = tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec  # a tie executes
-            tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
-            tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)
+    if UP:
+        # The second Linear's weights, loaded by every program before the ticket: whichever program
+        # is last then has them at hand instead of starting a dependent load.
+        g = tl.arange(0, BG)
+        rr = tl.arange(0, RP)
+        wm = (g < G)[:, None] & (rr < R)[None, :]
+        w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
+        w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+        b_exec = tl.load(bu + 2 * g, mask=g < G, other=0.0)
+        b_skip = tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
+        tl.debug_barrier()  # every thread's z is stored before the ticket is taken (release)
+        if tl.atomic_add(ticket, 1) == tl.num_programs(0) - 1:  # the last program: z is complete
+            tl.atomic_xchg(ticket, 0)
+            for m in range(0, M):
+                zr = tl.load(z + m * R + rr, mask=rr < R, other=0.0, cache_modifier=".cg")[None, :]
+                run = tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec  # a tie executes
+                tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
+                tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)
     if pid == 0:  # RMSNorm(h) from the row sums of squares (after the ticket: overlaps the last program)
         inv = tl.rsqrt(ss / D + eps)
         for k0 in range(0, D, BK):
@@ -505,3 +514,24 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
             n = (hv.to(tl.float32) * inv[:, None]).to(hv.dtype)
             wt = tl.load(nw + k0 + kk, mask=k0 + kk < D, other=0.0)
             tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _router_up_kernel(z, wu, bu, keep, keepf, M, G, R, TB: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr):
+    """The router's second Linear and rule for many tokens at once (norm_route with UP=False): the
+    (execute, skip) logit pair of each group, skip iff z_skip > z_exec (a tie executes).
+    Grid (cdiv(M, TB), cdiv(G, BG)). Twin: norm_route_ref."""
+    t = (tl.program_id(0) * TB + tl.arange(0, TB))[:, None, None]
+    g = (tl.program_id(1) * BG + tl.arange(0, BG))[None, :, None]
+    r = tl.arange(0, RP)[None, None, :]
+    zr = tl.load(z + t * R + r, mask=(t < M) & (r < R), other=0.0)
+    wm = (g < G) & (r < R)
+    z_exec = tl.sum(tl.load(wu + (2 * g) * R + r, mask=wm, other=0.0) * zr, 2)
+    z_skip = tl.sum(tl.load(wu + (2 * g + 1) * R + r, mask=wm, other=0.0) * zr, 2)
+    t, g = tl.sum(t, 2), tl.sum(g, 2)  # [TB, 1], [1, BG]
+    ok = (t < M) & (g < G)
+    z_exec += tl.load(bu + 2 * g, mask=g < G, other=0.0)
+    z_skip += tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
+    run = z_skip <= z_exec  # the inference rule; a tie executes
+    tl.store(keep + t * G + g, run.to(tl.uint8), mask=ok)
+    tl.store(keepf + t * G + g, run.to(tl.float32), mask=ok)

@@ -86,13 +86,14 @@ def test_norm_route_kernel_matches_twin_and_the_router_itself(M, with_residual):
     assert 0 < keep.float().mean() < 1, "a test router should skip some groups"
 
 
-def test_norm_route_kernel_executes_on_a_tie():
+@pytest.mark.parametrize("T", [1, 5])  # the second Linear in the same launch (<= 4 tokens) or its own
+def test_norm_route_kernel_executes_on_a_tie(T):
     # z_skip == z_exec exactly: the paper's rule skips only if z_skip > z_exec, so a tie runs.
     r, norm = router(), RMSNorm(64, 1e-5).to(DEV)
     with torch.no_grad():
         r.up.weight.view(4, 2, -1)[:, 1] = r.up.weight.view(4, 2, -1)[:, 0]
         r.up.bias.zero_()
-        _, keep, keepf = engine.norm_route(randn(1, 5, 64, seed=8), norm, r)
+        _, keep, keepf = engine.norm_route(randn(1, T, 64, seed=8), norm, r)
     assert keep.all() and (keepf == 1).all()
 
 
