@@ -9,9 +9,9 @@ can be multiplied by a per-token channel mask just before `down_proj`. With no m
 ordinary Llama, and it loads Hugging Face Llama checkpoints (config.json + safetensors) as they are:
 our parameter names are theirs, minus the leading "model.".
 
-This file is the reference: it computes every layer dense and zeroes what is skipped (the training
-path, and the ground truth of the tests). engine.py runs the same weights and the same masks through
-Triton kernels that never do the skipped work; model.py itself needs no Triton.
+This file is the reference: it computes every layer dense and zeroes what is skipped (the training path
+and the tests' ground truth). engine.py runs the same weights and masks through Triton kernels that
+never do the skipped work; model.py itself needs no Triton.
 """
 import copy
 import json
@@ -102,17 +102,14 @@ class ModelConfig:
 PRESETS = {
     # Trains in a few minutes on two CPU cores. 8 query heads share 4 KV heads, so with the default
     # attn_group_size (= 2 query heads) each routing decision is exactly one KV head.
-    "tiny": dict(vocab_size=2048, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, intermediate_size=384,
-                 max_seq_len=256),
+    "tiny": dict(vocab_size=2048, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, intermediate_size=384, max_seq_len=256),
     # A GPU preset, ~30M parameters.
-    "small": dict(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, intermediate_size=1536,
-                  max_seq_len=1024),
+    "small": dict(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, intermediate_size=1536, max_seq_len=1024),
     # Shape only (random weights), used by the speed benchmarks.
-    "llama-3.1-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                         intermediate_size=14336, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5,
-                         tie_embeddings=False,
-                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "llama-3.1-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+                         max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=False,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
 }
 
 
@@ -128,8 +125,7 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         # Normalise in fp32 (as Llama does) so bf16 activations with large outliers stay accurate.
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_frequencies(cfg):
@@ -167,13 +163,11 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, input_pos, k, v):
-        if input_pos.dim() == 2:  # [B, T]: every row writes at its own positions (batched prompts)
-            idx = input_pos[:, None, :, None].expand_as(k)
-            self.k_cache.scatter_(2, idx, k.to(self.k_cache.dtype))
-            self.v_cache.scatter_(2, idx, v.to(self.v_cache.dtype))
-            return self.k_cache, self.v_cache
-        self.k_cache.index_copy_(2, input_pos, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(2, input_pos, v.to(self.v_cache.dtype))
+        # input_pos [T], or [B, T] when every row writes at its own positions (batched prompts)
+        pos = input_pos.expand(k.shape[0], -1) if input_pos.dim() == 1 else input_pos
+        idx = pos[:, None, :, None].expand_as(k)
+        self.k_cache.scatter_(2, idx, k.to(self.k_cache.dtype))
+        self.v_cache.scatter_(2, idx, v.to(self.v_cache.dtype))
         return self.k_cache, self.v_cache
 
 
@@ -339,12 +333,9 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32):
         """Load our checkpoint or a local HF Llama directory (config.json + model.safetensors, or sharded)."""
-        cfg = cls.config_from_dir(path)
         with torch.device("meta"):
-            model = cls(cfg)
-        state = load_safetensors_dir(path)
-        model.load_dense_state(state, dtype, device)
-        return model
+            model = cls(cls.config_from_dir(path))
+        return model.load_dense_state(load_safetensors_dir(path), dtype, device)
 
     @staticmethod
     def config_from_dir(path):
@@ -364,7 +355,7 @@ class Transformer(nn.Module):
 
     def load_dense_state(self, state, dtype=torch.float32, device="cpu"):
         """Fill the model from HF-named tensors; extra keys (routers, LoRA) are left for wide.py."""
-        own = {k: v for k, v in self.state_dict().items()}
+        own = self.state_dict()
         missing = [k for k in own if f"model.{k}" not in state and k not in state
                    and not (k == "lm_head.weight" and self.lm_head is None)]
         if missing:
@@ -378,12 +369,11 @@ class Transformer(nn.Module):
         if unknown:
             raise CheckpointError(f"checkpoint has {len(unknown)} tensors a Llama model does not have, e.g. "
                                   f"{unknown[0]!r}: it is not a Llama checkpoint")
-        tensors = {}
-        for k, ref in own.items():
-            t = state.get(f"model.{k}", state.get(k))
-            if tuple(t.shape) != tuple(ref.shape):
-                raise CheckpointError(f"tensor {k!r} has shape {tuple(t.shape)}, config says {tuple(ref.shape)}")
-            tensors[k] = t.to(device=device, dtype=dtype)
+        tensors = {k: state.get(f"model.{k}", state.get(k)) for k in own}
+        for k, t in tensors.items():
+            if tuple(t.shape) != tuple(own[k].shape):
+                raise CheckpointError(f"tensor {k!r} has shape {tuple(t.shape)}, config says {tuple(own[k].shape)}")
+        tensors = {k: t.to(device=device, dtype=dtype) for k, t in tensors.items()}
         self.to_empty(device=device)
         self.load_state_dict(tensors, strict=True, assign=True)
         self.inv_freq = rope_frequencies(self.config).to(device)
