@@ -151,23 +151,23 @@ def _layout_kernel(mask, counts, bcounts, perm, T, G, M, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _worklist_kernel(counts, work, G, T, BM: tl.constexpr, GP: tl.constexpr):
+def _worklist_kernel(counts, work, G, NT, BM: tl.constexpr, GP: tl.constexpr):
     """The compact work list: live (group, token-tile) items first, group-major, then the dead ones.
 
-    Grid (1,). A tile is live when tile*BM < count[g]. Kernels launch one program per item and
-    dead items (which only write zeros, or nothing) come last, so the first waves are all real work.
-    Twin: layout_ref.
+    Grid (1,). NT token tiles per group; a tile is live when tile*BM < count[g]. Kernels launch one
+    program per item and dead items (which only write zeros, or nothing) come last, so the first waves
+    are all real work. Twin: layout_ref.
     """
     gg = tl.arange(0, GP)
     gok = gg < G
     tiles = (tl.load(counts + gg, mask=gok, other=0) + BM - 1) // BM
     live_before = tl.cumsum(tiles, 0) - tiles
     n_live = tl.sum(tiles, 0)
-    dead = tl.where(gok, T - tiles, 0)
+    dead = tl.where(gok, NT - tiles, 0)
     dead_before = tl.cumsum(dead, 0) - dead
-    for i in range(0, T):
+    for i in range(0, NT):
         dst = tl.where(i < tiles, live_before + i, n_live + dead_before + i - tiles)
-        tl.store(work + dst, gg * T + i, mask=gok)
+        tl.store(work + dst, gg * NT + i, mask=gok)
 
 
 def layout_ref(mask, block_m):
@@ -220,7 +220,7 @@ def _flat_mask(mask_or_layout):
 # gemm_mn: output-channel groups pruned (Q projection; gate+up with a silu(gate)*up epilogue)
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, T, sxm, swn, som,
+def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, som,
                     GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     FUSED: tl.constexpr, ZERO: tl.constexpr, EVEN_K: tl.constexpr,
                     IEEE: tl.constexpr):
@@ -233,7 +233,7 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, T, sxm, swn, s
     Twin: gemm_mn_ref.
     """
     item = tl.load(work + tl.program_id(0))
-    g, tile = item // T, item % T
+    g, tile = item // NT, item % NT
     count = tl.load(counts + g)
     p = tile * BM + tl.arange(0, BM)
     rows = tl.load(perm + g * M + p, mask=p < M, other=0).to(tl.int64)
@@ -402,9 +402,9 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     lay = _as_layout(mask_or_layout)
     cfg = _config("gemm_mn_fused" if fused else "gemm_mn", config)
     BN = _pow2_divisor(group_size, cfg["BN"])
-    T = triton.cdiv(M, lay.block_m)
-    grid = (G * T, group_size // BN)
-    _gemm_mn_kernel[grid](x, w, w_up, out, lay.counts, lay.perm, lay.work, M, N, K, T,
+    NT = triton.cdiv(M, lay.block_m)
+    grid = (G * NT, group_size // BN)
+    _gemm_mn_kernel[grid](x, w, w_up, out, lay.counts, lay.perm, lay.work, M, N, K, NT,
                           x.stride(0), w.stride(0), out.stride(0), GS=group_size, BM=lay.block_m,
                           BN=BN, BK=cfg["BK"], FUSED=fused, ZERO=zero_pruned,
                           EVEN_K=K % cfg["BK"] == 0, IEEE=ieee, **_launch(cfg))
@@ -495,7 +495,7 @@ def _gemm_k_kernel(a, w, out, res, part, tickets, mask, live_list, M, N, K, G, s
 
 
 @triton.jit
-def _gemm_k_atomic_kernel(a, w, out32, counts, perm, work, M, N, T, sam, swn,
+def _gemm_k_atomic_kernel(a, w, out32, counts, perm, work, M, N, NT, sam, swn,
                           GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           IEEE: tl.constexpr):
     """The authors' gemm_k scheme, kept for comparison (gemm_k(method="atomic")).
@@ -507,7 +507,7 @@ def _gemm_k_atomic_kernel(a, w, out32, counts, perm, work, M, N, T, sam, swn,
     Twin: gemm_k_ref.
     """
     item = tl.load(work + tl.program_id(0))
-    g, tile = item // T, item % T
+    g, tile = item // NT, item % NT
     count = tl.load(counts + g)
     if tile * BM >= count:  # dead tile: return before any load
         return
@@ -558,9 +558,9 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
         lay = _as_layout(mask_or_layout)
         cfg = _config("gemm_k_atomic", config)
         out32 = torch.zeros((M, N), dtype=torch.float32, device=a.device)  # atomics need zeros
-        T = triton.cdiv(M, lay.block_m)
-        grid = (G * T, triton.cdiv(N, cfg["BN"]))
-        _gemm_k_atomic_kernel[grid](a, w, out32, lay.counts, lay.perm, lay.work, M, N, T,
+        NT = triton.cdiv(M, lay.block_m)
+        grid = (G * NT, triton.cdiv(N, cfg["BN"]))
+        _gemm_k_atomic_kernel[grid](a, w, out32, lay.counts, lay.perm, lay.work, M, N, NT,
                                     a.stride(0), w.stride(0), GS=group_size, BM=lay.block_m,
                                     BN=cfg["BN"], BK=_pow2_divisor(group_size, cfg["BK"]),
                                     IEEE=ieee, **_launch(cfg))
