@@ -315,7 +315,8 @@ def plot(rows, baseline_rows, dense_ppl, path):
         return
     series = {"WIDE stage 2 (trained)": [r for r in rows if r["method"] == "wide" and r["stage"] == 2],
               "WIDE stage 1 (trained)": [r for r in rows if r["method"] == "wide" and r["stage"] == 1],
-              "WIDE dial (stage 2 from 0.5)": [r for r in rows if r["method"] == "wide dial"],
+              "WIDE dial (stage 2 from 0.5)": [r for r in rows if r["method"] == "wide dial" or (  # + its own target
+                  r.get("checkpoint") in {d["checkpoint"] for d in rows if d["method"] == "wide dial"})],
               "layer-skip stage 2": [r for r in rows if r["method"] == "layerskip" and r["stage"] == 2],
               "layer-skip stage 1": [r for r in rows if r["method"] == "layerskip" and r["stage"] == 1],
               "static width": [r for r in baseline_rows if r["method"] == "static"],

