@@ -440,10 +440,13 @@ def norm_route(x, norm, router, residual=None, ticket=None):
     # A few tokens: the second Linear in the same launch (its last program goes token by token). More
     # tokens (batched decode): a second, token-parallel launch is faster than that serial tail.
     up_here = M <= 4
-    _norm_route_kernel[(triton.cdiv(R, RB),)](
+    P = triton.cdiv(R, RB)
+    CW = triton.cdiv(D, P)  # the columns of h / RMSNorm(h) each program writes
+    _norm_route_kernel[(P,)](
         x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, z, up.weight, up.bias, keep, keepf, ticket,
-        M, D, R, G, HAS_RES=residual is not None, UP=up_here, BT=BT, RB=RB,
-        BK=min(triton.next_power_of_2(D), max(16, 4096 // BT)), RP=RP, BG=BG, num_warps=4)
+        M, D, R, G, CW, HAS_RES=residual is not None, UP=up_here, BT=BT, RB=RB,
+        BK=min(triton.next_power_of_2(D), max(16, 8192 // BT)), RP=RP, BG=BG, CWP=triton.next_power_of_2(CW),
+        num_warps=8)  # wide chunks: the loop over D is latency-bound, so few long iterations
     if not up_here:
         TB, BGU = (BT, BG) if INTERPRET else (1, min(64, BG))
         _router_up_kernel[(triton.cdiv(M, TB), triton.cdiv(G, BGU))](z, up.weight, up.bias, keep, keepf, M, G, R,
@@ -454,12 +457,13 @@ def norm_route(x, norm, router, residual=None, ticket=None):
 
 @triton.jit
 def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, ticket, M, D, R, G,
-                       HAS_RES: tl.constexpr, UP: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
-                       BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr):
+                       CW, HAS_RES: tl.constexpr, UP: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
+                       BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr, CWP: tl.constexpr):
     """Residual add + RMSNorm + router for the M <= BT tokens of a step. Grid (cdiv(R, RB),).
 
     Every program forms h = res + x (rounded to the model dtype as `x + a` is) and the router's first
-    Linear for its RB ranks, z = h @ wd[r] + bd[r] in fp32; program 0 also writes h and RMSNorm(h). The
+    Linear for its RB ranks, z = h @ wd[r] + bd[r] in fp32, and writes h and RMSNorm(h) for its share of
+    the columns. The
     last program to take a ticket (the others' z are then visible) applies the second Linear and the
     rule of wide.Router: skip iff z_skip > z_exec, a tie executes; it resets the ticket. Deterministic:
     each z is one program's fixed-order sum, and one program does the rest. UP=False leaves the
@@ -477,14 +481,25 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
         hv = tl.load(x + offs, mask=ok, other=0.0)
         if HAS_RES:
             hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
-            if pid == 0:
-                tl.store(h_out + offs, hv, mask=ok)
         hf = hv.to(tl.float32)
         ss += tl.sum(hf * hf, 1)
         w = tl.load(wd + r[:, None] * D + k0 + kk[None, :], mask=(r < R)[:, None] & (k0 + kk < D)[None, :], other=0.0)
         acc += hf[:, None, :] * w[None, :, :]
     zt = tl.sum(acc, 2) + tl.load(bd + r, mask=r < R, other=0.0)[None, :]
     tl.store(z + t[:, None] * R + r[None, :], zt, mask=tok[:, None] & (r < R)[None, :])
+    # h and RMSNorm(h) for this program's slice of CW columns (every program has the row sums of
+    # squares), so the write-out is spread over the grid instead of one program's serial loop.
+    c = pid * CW + tl.arange(0, CWP)
+    cok = (c < D) & (c < pid * CW + CW)
+    ok = tok[:, None] & cok[None, :]
+    offs = t[:, None].to(tl.int64) * D + c[None, :]
+    hv = tl.load(x + offs, mask=ok, other=0.0)
+    if HAS_RES:
+        hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
+        tl.store(h_out + offs, hv, mask=ok)
+    n = (hv.to(tl.float32) * tl.rsqrt(ss / D + eps)[:, None]).to(hv.dtype)
+    wt = tl.load(nw + c, mask=cok, other=0.0)
+    tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
     if UP:
         # The second Linear's weights, loaded by every program before the ticket: whichever program
         # is last then has them at hand instead of starting a dependent load.
@@ -503,17 +518,6 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
                 run = tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec  # a tie executes
                 tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
                 tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)
-    if pid == 0:  # RMSNorm(h) from the row sums of squares (after the ticket: overlaps the last program)
-        inv = tl.rsqrt(ss / D + eps)
-        for k0 in range(0, D, BK):
-            ok = tok[:, None] & (k0 + kk < D)[None, :]
-            offs = t[:, None].to(tl.int64) * D + k0 + kk[None, :]
-            hv = tl.load(x + offs, mask=ok, other=0.0)
-            if HAS_RES:
-                hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
-            n = (hv.to(tl.float32) * inv[:, None]).to(hv.dtype)
-            wt = tl.load(nw + k0 + kk, mask=k0 + kk < D, other=0.0)
-            tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
 
 
 @triton.jit
