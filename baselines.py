@@ -19,11 +19,13 @@ from wide import LORA_TARGETS, check_groups, flop_fraction, linear_flops
 
 
 @torch.no_grad()
-def capture_inputs(model, batches, names):
-    """Run the model on calibration batches; collect the inputs of the named projections per layer."""
-    got = {(i, n): [] for i in range(len(model.layers)) for n in names}
+def capture_inputs(model, batches, names, layers=None):
+    """Run the model on calibration batches; collect the inputs of the named projections per layer
+    (of every layer, or of the given layer indices)."""
+    layers = range(len(model.layers)) if layers is None else layers
+    got = {(i, n): [] for i in layers for n in names}
     hooks = []
-    for i, layer in enumerate(model.layers):
+    for i, layer in ((i, model.layers[i]) for i in layers):
         for n in names:
             mod = getattr(layer.self_attn if n in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp, n)
             hooks.append(mod.register_forward_pre_hook(
@@ -113,16 +115,23 @@ class TealLinear(nn.Module):
 @torch.no_grad()
 def calibrate_teal(model, sparsity, batches):
     """Thresholds at the s-quantile of |input| for every projection (q, k, v share an input; so do
-    gate and up), calibrated on training text: about s of every linear's inputs are zeroed."""
-    names = [n for _, n in LORA_TARGETS]
-    acts = capture_inputs(model, batches, names)
+    gate and up), calibrated on training text: s of every linear's inputs are zeroed there.
+
+    In forward order, each projection's input is captured with the thresholds before it already in place:
+    they change what it sees, and a threshold from dense inputs would zero more than s of the real ones."""
     for i, layer in enumerate(model.layers):
-        for parent, n in LORA_TARGETS:
-            x = acts[(i, n)].abs().flatten()
+        for group in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)):
+            acts = capture_inputs(model, batches, group[:1], layers=[i])
+            x = acts[(i, group[0])].abs().flatten()
             k = max(1, int(sparsity * x.numel()))
             t = x.kthvalue(k).values.item() if sparsity > 0 else -1.0
-            mod = getattr(layer, parent)
-            setattr(mod, n, TealLinear(getattr(mod, n), t))
+            for parent, n in LORA_TARGETS:
+                if n in group:
+                    mod = getattr(layer, parent)
+                    setattr(mod, n, TealLinear(getattr(mod, n), t))
+    for m in model.modules():  # the calibration passes are not part of the zeroed counts
+        if isinstance(m, TealLinear):
+            m.zeroed, m.total = 0, 0
     return model
 
 
