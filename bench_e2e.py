@@ -351,7 +351,7 @@ def small_rows(run, args):
     return rows
 
 
-# Issue 10's end-to-end targets: (text, phase, batch, contexts or None for any, row key, goal).
+# The end-to-end speed targets: (text, phase, batch, contexts or None for any, row key, goal).
 TARGETS = [
     ("dense engine decode, batch 1, share of the copy ceiling", "decode", 1, None, "dense_copy_frac", 0.80),
     ("WIDE decode batch 1 (ctx 1k and 8k) vs that dense engine", "decode", 1, None, "speedup", 1.65),
@@ -402,7 +402,7 @@ def markdown(m):
                     f"{pct(r['dense_copy_frac'])} of copy), torch.compile {r['compiled_tok_s']:.1f} tok/s "
                     f"({r['compiled_GBps']:.0f} GB/s); the engine is {r['engine_vs_compiled']:.2f}x the compiled loop "
                     f"(compilation and warm-up {r['compile_s']:.0f} s)."]
-    out += ["", "Targets (issue 10; H200, bf16, 50% of groups skipped):", "",
+    out += ["", "Targets (H200, bf16, 50% of groups skipped):", "",
             "| target | measured | goal | |", "|---|---|---|---|"]
     for text, phase, batch, contexts, key, goal in TARGETS:
         got = [r for r in rows if r["phase"] == phase and r["batch"] == batch and key in r

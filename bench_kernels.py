@@ -428,7 +428,7 @@ def measure(s, case):
     return rows
 
 
-# Issue 10's kernel targets, at 50% of the groups skipped: (text, op prefix, tokens, row key, goal).
+# The kernel speed targets, at 50% of the groups skipped: (text, op prefix, tokens, row key, goal).
 TARGETS = [
     ("gate+up fused, 1 token, CUDA graph", "gate+up", 1, "graph_speedup", 1.85),
     ("down (gemm_k), 1 token, CUDA graph", "down (gemm_k", 1, "graph_speedup", 1.80),
@@ -470,7 +470,7 @@ def markdown(s, m, rows):
                    f"{'CUDA graph' if g else 'do_bench'} | {us(d)} | {us(w)} | {r['judged_speedup']:.2f}x | "
                    f"{r['ideal_speedup']:.2f}x | {r['speedup']:.2f}x | {other} | {us(a)} | {rate} | "
                    f"{r['copies']} | {r['rel_err']:.1e} |")
-    return "\n".join(out + ["", "Targets (issue 10):", ""] + target_lines(s, rows)) + "\n"
+    return "\n".join(out + ["", "Targets:", ""] + target_lines(s, rows)) + "\n"
 
 
 ABOUT = ("{dtype}, shapes D {D}, {H} q / {HKV} kv heads of {HD}, FFN {FFN}; random group masks (sparsity = "
