@@ -118,6 +118,20 @@ class Layout(NamedTuple):
     batch: int
 
 
+def layout_ref(mask, block_m):
+    """Torch twin of `layout`: the same partition through a stable sort."""
+    mask3 = mask if mask.dim() == 3 else mask[None]
+    B, T, G = mask3.shape
+    flat = mask3.reshape(B * T, G)
+    counts = flat.sum(0, dtype=torch.int32)
+    perm = torch.sort((~flat).to(torch.uint8).t(), dim=1, stable=True).indices.to(torch.int32)
+    n_tiles = triton.cdiv(B * T, block_m)
+    live = torch.arange(n_tiles, device=mask.device)[None, :] * block_m < counts[:, None]
+    work = torch.sort((~live).flatten().to(torch.uint8), stable=True).indices.to(torch.int32)
+    return Layout(flat.contiguous(), counts, perm.contiguous(), work,
+                  mask3.sum(1, dtype=torch.int32), block_m, B)
+
+
 @triton.jit
 def _layout_kernel(mask, counts, bcounts, perm, T, G, M, BLOCK: tl.constexpr):
     """Stable partition of one group's tokens (the routing layout), by prefix sums.
@@ -170,20 +184,6 @@ def _worklist_kernel(counts, work, G, NT, BM: tl.constexpr, GP: tl.constexpr):
         tl.store(work + dst, gg * NT + i, mask=gok)
 
 
-def layout_ref(mask, block_m):
-    """Torch twin of `layout`: the same partition through a stable sort."""
-    mask3 = mask if mask.dim() == 3 else mask[None]
-    B, T, G = mask3.shape
-    flat = mask3.reshape(B * T, G)
-    counts = flat.sum(0, dtype=torch.int32)
-    perm = torch.sort((~flat).to(torch.uint8).t(), dim=1, stable=True).indices.to(torch.int32)
-    n_tiles = triton.cdiv(B * T, block_m)
-    live = torch.arange(n_tiles, device=mask.device)[None, :] * block_m < counts[:, None]
-    work = torch.sort((~live).flatten().to(torch.uint8), stable=True).indices.to(torch.int32)
-    return Layout(flat.contiguous(), counts, perm.contiguous(), work,
-                  mask3.sum(1, dtype=torch.int32), block_m, B)
-
-
 def layout(mask, block_m=None):
     """Build the routing layout of a bool mask [M, G] or [B, T, G] (True = group executes)."""
     check_device(mask)
@@ -219,6 +219,19 @@ def _flat_mask(mask_or_layout):
 # ---------------------------------------------------------------------------------------------
 # gemm_mn: output-channel groups pruned (Q projection; gate+up with a silu(gate)*up epilogue)
 # ---------------------------------------------------------------------------------------------
+def gemm_mn_ref(x, w, mask, group_size, w_up=None, dense_tail=0):
+    """Dense x @ w.T (or silu(x @ w.T) * (x @ w_up.T)), then the pruned groups' outputs set to 0.
+    The last dense_tail output channels belong to no group: they are always computed."""
+    m = _flat_mask(mask)
+    if dense_tail:
+        m = torch.cat([m, m.new_ones(m.shape[0], dense_tail // group_size)], dim=1)
+    y = x @ w.t()
+    if w_up is not None:
+        y = F.silu(y) * (x @ w_up.t())
+    keep = m.repeat_interleave(group_size, dim=1)
+    return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
 @triton.jit
 def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, som,
                     GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -354,19 +367,6 @@ def _gemv_mn_kernel(x, w, w_up, out, mask, live_list, M, N, K, G, GE, sxm, swn, 
                  mask=(t < M)[:, None])
 
 
-def gemm_mn_ref(x, w, mask, group_size, w_up=None, dense_tail=0):
-    """Dense x @ w.T (or silu(x @ w.T) * (x @ w_up.T)), then the pruned groups' outputs set to 0.
-    The last dense_tail output channels belong to no group: they are always computed."""
-    m = _flat_mask(mask)
-    if dense_tail:
-        m = torch.cat([m, m.new_ones(m.shape[0], dense_tail // group_size)], dim=1)
-    y = x @ w.t()
-    if w_up is not None:
-        y = F.silu(y) * (x @ w_up.t())
-    keep = m.repeat_interleave(group_size, dim=1)
-    return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
-
-
 def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, config=None, dense_tail=0):
     """Masked linear with output-channel groups: x[M,K], w[N,K], mask [M, N/group_size] -> [M,N].
 
@@ -414,6 +414,13 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
 # ---------------------------------------------------------------------------------------------
 # gemm_k: reduction groups pruned (O projection, down projection)
 # ---------------------------------------------------------------------------------------------
+def gemm_k_ref(a, w, mask, group_size, residual=None):
+    """(a with the pruned groups' columns set to 0) @ w.T (+ residual). Pruned inputs are never read."""
+    keep = _flat_mask(mask).repeat_interleave(group_size, dim=1)
+    y = torch.where(keep, a, torch.zeros((), dtype=a.dtype, device=a.device)) @ w.t()
+    return y if residual is None else residual + y
+
+
 @triton.jit
 def _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
                  GS: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
@@ -524,13 +531,6 @@ def _gemm_k_atomic_kernel(a, w, out32, counts, perm, work, M, N, NT, sam, swn,
         acc = tl.dot(at, tl.trans(wt), acc, input_precision="ieee" if IEEE else "tf32")
     tl.atomic_add(out32 + rows[:, None] * N + cols[None, :], acc,
                   mask=ok[:, None] & (cols < N)[None, :], sem="relaxed")
-
-
-def gemm_k_ref(a, w, mask, group_size, residual=None):
-    """(a with the pruned groups' columns set to 0) @ w.T (+ residual). Pruned inputs are never read."""
-    keep = _flat_mask(mask).repeat_interleave(group_size, dim=1)
-    y = torch.where(keep, a, torch.zeros((), dtype=a.dtype, device=a.device)) @ w.t()
-    return y if residual is None else residual + y
 
 
 def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residual=None, tickets=None):

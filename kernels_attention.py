@@ -18,6 +18,23 @@ import triton.language as tl
 from kernels import Layout, _as_layout, _config, _empty, _launch, _num_sms, check_device
 
 
+def _expand_heads(mask, H):
+    # [..., G] group mask -> [..., H] head mask (groups are contiguous runs of query heads)
+    return mask.repeat_interleave(H // mask.shape[-1], dim=-1)
+
+
+def attention_prefill_ref(q, k, v, head_mask, causal=True):
+    """SDPA (GQA by repeating K/V heads), then the inactive (token, head-group) outputs set to 0."""
+    B, H, T, _ = q.shape
+    if isinstance(head_mask, Layout):
+        head_mask = head_mask.mask.view(head_mask.batch, -1, head_mask.mask.shape[-1])
+    rep = H // k.shape[1]
+    o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                       is_causal=causal)
+    keep = _expand_heads(head_mask, H).permute(0, 2, 1)[..., None]  # [B, H, T, 1]
+    return torch.where(keep, o, torch.zeros((), dtype=o.dtype, device=o.device))
+
+
 @triton.jit
 def _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, start, pos, kv_end, qk_scale,
                 BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
@@ -103,23 +120,6 @@ def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT,
              (acc / l_i[:, None]).to(o.dtype.element_ty), mask=ok[:, None])
 
 
-def _expand_heads(mask, H):
-    # [..., G] group mask -> [..., H] head mask (groups are contiguous runs of query heads)
-    return mask.repeat_interleave(H // mask.shape[-1], dim=-1)
-
-
-def attention_prefill_ref(q, k, v, head_mask, causal=True):
-    """SDPA (GQA by repeating K/V heads), then the inactive (token, head-group) outputs set to 0."""
-    B, H, T, _ = q.shape
-    if isinstance(head_mask, Layout):
-        head_mask = head_mask.mask.view(head_mask.batch, -1, head_mask.mask.shape[-1])
-    rep = H // k.shape[1]
-    o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                       is_causal=causal)
-    keep = _expand_heads(head_mask, H).permute(0, 2, 1)[..., None]  # [B, H, T, 1]
-    return torch.where(keep, o, torch.zeros((), dtype=o.dtype, device=o.device))
-
-
 def attention_prefill(q, k, v, head_mask, causal=True, config=None):
     """q[B,H,T,d], k/v[B,Hkv,T,d], head_mask [B,T,G] (or its Layout) -> [B,H,T,d]."""
     check_device(q)
@@ -143,6 +143,17 @@ def attention_prefill(q, k, v, head_mask, causal=True, config=None):
         BN=cfg["BN"], D=D, BP=max(2, triton.next_power_of_2(B)), CAUSAL=causal,
         IEEE=q.dtype == torch.float32, **_launch(cfg))
     return o
+
+
+def attention_decode_ref(q, k_cache, v_cache, head_mask, kv_len):
+    """SDPA of one query over cache positions [0, kv_len[b]), then inactive head groups set to 0."""
+    B, H, _, _ = q.shape
+    rep, L = H // k_cache.shape[1], k_cache.shape[2]
+    visible = torch.arange(L, device=q.device)[None, :] < kv_len.to(q.device)[:, None]  # [B, L]
+    o = F.scaled_dot_product_attention(q, k_cache.repeat_interleave(rep, 1),
+                                       v_cache.repeat_interleave(rep, 1), attn_mask=visible[:, None, None, :])
+    keep = _expand_heads(head_mask, H)[:, :, None, None]
+    return torch.where(keep, o, torch.zeros((), dtype=o.dtype, device=o.device))
 
 
 @triton.jit
@@ -206,17 +217,6 @@ def _attn_merge_kernel(po, plse, head_mask, kv_len, o, G, NS, SPLIT, sob, soh,
     wgt = tl.where(sok, tl.exp2(lse - tl.max(lse, 0)), 0.0)
     part = tl.load(po + row[:, None] * D + dd[None, :], mask=sok[:, None], other=0.0)
     tl.store(optr, (tl.sum(wgt[:, None] * part, 0) / tl.sum(wgt, 0)).to(o.dtype.element_ty))
-
-
-def attention_decode_ref(q, k_cache, v_cache, head_mask, kv_len):
-    """SDPA of one query over cache positions [0, kv_len[b]), then inactive head groups set to 0."""
-    B, H, _, _ = q.shape
-    rep, L = H // k_cache.shape[1], k_cache.shape[2]
-    visible = torch.arange(L, device=q.device)[None, :] < kv_len.to(q.device)[:, None]  # [B, L]
-    o = F.scaled_dot_product_attention(q, k_cache.repeat_interleave(rep, 1),
-                                       v_cache.repeat_interleave(rep, 1), attn_mask=visible[:, None, None, :])
-    keep = _expand_heads(head_mask, H)[:, :, None, None]
-    return torch.where(keep, o, torch.zeros((), dtype=o.dtype, device=o.device))
 
 
 def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None):
