@@ -527,7 +527,7 @@ def load_dialled(path, target=None, attn_target=None, ffn_target=None, device="c
         fold_offsets(model, wcfg.offsets)
         return model, wcfg, dict(offsets=wcfg.offsets, targets=targets, source="calibrated in training (wide.json)")
     if own and wcfg.offsets is None and target is not None:  # a checkpoint from before the dial: as trained
-        return model, wcfg, dict(offsets=None, targets=targets, source="none (routers as trained)")
+        return model, wcfg, dict(offsets=None, targets=targets, source="routers as trained: this checkpoint has no calibrated dial")
     key = " ".join(f"{k}={v:g}" for k, v in targets.items()) + f" windows={CALIB_WINDOWS}x{block_size}"
     cache = os.path.join(path, "dial.json")
     saved = {}
