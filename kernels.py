@@ -18,7 +18,6 @@ Ops (shapes as the model calls them):
   (attention over the active head groups, prefill and decode: kernels_attention.py)
 Pruned outputs are exactly 0 in both backends.
 """
-import math
 import os
 from typing import NamedTuple
 

@@ -70,3 +70,33 @@ class LaunchRecorder:
 @pytest.fixture
 def launches(monkeypatch):
     return LaunchRecorder(monkeypatch)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(*args, timeout=300):
+    """python <args> from the repository root, as a user runs it; no GPU visible, so the scripts behave
+    the same on a GPU machine."""
+    import subprocess
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def assert_one_line_error(result, *words):
+    """A non-zero exit with exactly one line on stderr (no traceback) that contains every word."""
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [l for l in result.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, result.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    # The test models are tiny: one thread is faster than two fighting over the cores.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -7,13 +7,12 @@ The models are the small ones of tiny_models.py (2 layers, 2 head groups and 4 c
 import copy
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import data
+from conftest import assert_one_line_error, run_script
 import wide
 from model import CheckpointError, Transformer, save_checkpoint
 from tiny_models import random_model, tokens, wide_config, wide_model
@@ -201,20 +200,6 @@ def test_load_dialled_calibrates_once_and_caches_atomically(tmp_path, tokenizer,
 
 # ----------------------------------------------------------------------------------------------------
 # generate.py: the dial from the command line
-
-
-def run_script(*args):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
-
-
-def assert_one_line_error(result, *words):
-    assert result.returncode != 0, result.stdout
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = [l for l in result.stderr.strip().splitlines() if l.strip()]
-    assert len(lines) == 1, result.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,6 @@ different lengths. With a GPU the same tests run there (fp32), and the GPU tests
 bf16; they skip without CUDA. Speed lives in `python bench_e2e.py`, never here.
 """
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,7 +21,6 @@ from model import ModelConfig, Transformer
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Every pruned linear through its Triton kernel, whatever the token count (the default policy hands
 # mid-sized steps to cuBLAS on the masked input; that path is tested too).
 DEFAULT = engine.Policy()

@@ -14,6 +14,7 @@ import data
 import engine
 import wide
 from generate import generate, main, token_widths
+from conftest import assert_one_line_error, run_script
 from model import ModelConfig, Transformer, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,10 +105,8 @@ def test_realized_sparsity_line_is_the_mean_over_each_rows_own_tokens(out_dir, c
     assert printed == pytest.approx(expected, abs=0.051), (line, expected)
 
 
-def run_script(*args):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "generate.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          env=env, timeout=120)
+def run_generate(*args):
+    return run_script("generate.py", *args)
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -118,12 +117,7 @@ def run_script(*args):
     (("--temperature", "-1"), ("--temperature",)),
 ])
 def test_every_invalid_flag_ends_in_one_line_and_a_nonzero_exit(out_dir, flags, words):
-    r = run_script("--out-dir", out_dir, "--max-new-tokens", "2", *flags)
-    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
-    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
+    assert_one_line_error(run_generate("--out-dir", out_dir, "--max-new-tokens", "2", *flags), *words)
 
 
 def test_triton_backend_without_a_gpu_or_the_interpreter_is_one_line(out_dir):
@@ -135,7 +129,7 @@ def test_triton_backend_without_a_gpu_or_the_interpreter_is_one_line(out_dir):
 
 
 def test_generate_cli_compares_wide_with_dense_in_the_same_engine(out_dir):
-    r = run_script("--out-dir", out_dir, "--sparsity", "0.5", "--compare-dense", "--max-new-tokens", "6",
+    r = run_generate("--out-dir", out_dir, "--sparsity", "0.5", "--compare-dense", "--max-new-tokens", "6",
                    "--prompt", "ROMEO:", "--prompt", "But soft")
     assert r.returncode == 0, r.stderr
     assert "dense (routers off, same engine)" in r.stdout and "WIDE / dense decode speed" in r.stdout

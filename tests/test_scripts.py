@@ -1,33 +1,17 @@
 """The scripts as a user meets them: data, tokenizer, generation, and one-line errors for bad input."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import data
+from conftest import assert_one_line_error, run_script
 import train
 import wide
 from generate import generate
 from model import ModelConfig, Transformer, load_tokenizer, save_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n" * 3
-
-
-def run_script(*args):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the scripts must behave the same on a GPU machine
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
-
-
-def assert_one_line_error(result, *words):
-    assert result.returncode != 0, result.stdout
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = [l for l in result.stderr.strip().splitlines() if l.strip()]
-    assert len(lines) == 1, result.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

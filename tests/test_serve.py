@@ -82,7 +82,7 @@ def test_oversized_request_is_rejected_while_the_others_run():
     m = wide_model()
     reqs = requests(4, 4)
     big = serve.Request(list(range(20)), 12, arrival=1)  # 32 positions > the 31 a slot of 32 offers
-    server = serve_all(m, reqs + [big], n_slots=2, slot_len=32, chunk=4)
+    serve_all(m, reqs + [big], n_slots=2, slot_len=32, chunk=4)
     assert big.error and "do not fit" in big.error and big.tokens == []
     for r in reqs:
         assert r.error is None and r.tokens == alone(m, r)

@@ -18,12 +18,7 @@ from model import ModelConfig, Transformer, save_checkpoint
 from tiny_models import V, loop_args, random_model, router_params, tokens, wide_config, wide_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread for tiny models
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,7 @@ from tiny_models import random_model, run, router_params, small_config, tokens, 
 from wide import Router, WideConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These models are tiny: one thread is faster than two fighting over the cores with anything else.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread for tiny models
 
 
 def test_wide_config_defaults_are_the_papers():
