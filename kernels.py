@@ -17,6 +17,10 @@ Ops (shapes as the model calls them):
   gemm_k(a[M,K], w[N,K], mask, group_size)   -> [M,N]  O proj, down proj: (a * mask) @ w.T
   (attention over the active head groups, prefill and decode: kernels_attention.py)
 Pruned outputs are exactly 0 in both backends.
+
+fp8 weights (weight-only, e4m3, one fp32 scale per output channel: `quantize_fp8`): gemm_mn and gemm_k take
+`w_scale`; the kernels load the fp8 bytes of the live groups only, accumulate in fp32 and multiply the
+channel's scale in the epilogue. The twins dequantize (`dequantize_fp8`) and run the same reference.
 """
 import os
 from typing import NamedTuple
@@ -216,11 +220,39 @@ def _flat_mask(mask_or_layout):
 
 
 # ---------------------------------------------------------------------------------------------
+# fp8 weights: per-output-channel absmax scaling, done once at load time
+# ---------------------------------------------------------------------------------------------
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+
+
+def quantize_fp8(w):
+    """w [N, K] -> (wq [N, K] float8_e4m3fn, scale [N] fp32) with w ~ wq * scale[:, None]: each output
+    channel's largest |w| maps to 448. An all-zero row gets scale 1 (its codes are 0 anyway)."""
+    absmax = w.detach().float().abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
+    return (w.detach().float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.contiguous()
+
+
+def dequantize_fp8(wq, scale, dtype=torch.float32):
+    """The values an fp8 weight stands for, in `dtype`: wq * scale[:, None], rounded once."""
+    return (wq.float() * scale[:, None]).to(dtype)
+
+
+def _dequantized(x, w, w_scale):
+    # The twins compute with the dequantized weight in x's dtype.
+    return w if w_scale is None else dequantize_fp8(w, w_scale, x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
 # gemm_mn: output-channel groups pruned (Q projection; gate+up with a silu(gate)*up epilogue)
 # ---------------------------------------------------------------------------------------------
-def gemm_mn_ref(x, w, mask, group_size, w_up=None, dense_tail=0):
+def gemm_mn_ref(x, w, mask, group_size, w_up=None, dense_tail=0, w_scale=None, w_up_scale=None):
     """Dense x @ w.T (or silu(x @ w.T) * (x @ w_up.T)), then the pruned groups' outputs set to 0.
-    The last dense_tail output channels belong to no group: they are always computed."""
+    The last dense_tail output channels belong to no group: they are always computed.
+    fp8 weights (w_scale, w_up_scale given): dequantized first."""
+    w = _dequantized(x, w, w_scale)
+    w_up = w_up if w_up is None else _dequantized(x, w_up, w_up_scale)
     m = _flat_mask(mask)
     if dense_tail:
         m = torch.cat([m, m.new_ones(m.shape[0], dense_tail // group_size)], dim=1)
@@ -302,9 +334,9 @@ def _gemv_step(x, w, w_up, lst, step, end, t, M, K, KS, sxm, swn, GS: tl.constex
 
 
 @triton.jit
-def _gemv_mn_kernel(x, w, w_up, out, mask, live_list, M, N, K, G, GE, sxm, swn, som,
+def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, sxm, swn, som,
                     GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, FUSED: tl.constexpr, IEEE: tl.constexpr):
+                    BK: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr):
     """Decode gemm_mn (M <= BT tokens): the weight rows of groups no token runs are never read.
 
     Grid (P,), persistent. Each program reads the mask itself (no layout, one launch), lists the
@@ -313,7 +345,9 @@ def _gemv_mn_kernel(x, w, w_up, out, mask, live_list, M, N, K, G, GE, sxm, swn, 
     steps loads the next step before using this one, across chunk boundaries too. One token:
     FMAs reduced every step; more tokens: tl.dot on a 16-row tile. Inactive (token, group)
     outputs and the channels of dead groups are written as zeros. GE groups after the G routed
-    ones are always live (the dense tail: K and V after Q, one stream). Twin: gemm_mn_ref.
+    ones are always live (the dense tail: K and V after Q, one stream). FP8: w (and w_up) hold e4m3
+    codes, half the bytes per step; the fp32 sums are multiplied by each row's scale (ws, wus) in the
+    epilogue, before the SwiGLU. Twin: gemm_mn_ref.
     """
     pid, P = tl.program_id(0), tl.num_programs(0)
     t = tl.arange(0, BT)
@@ -347,13 +381,18 @@ def _gemv_mn_kernel(x, w, w_up, out, mask, live_list, M, N, K, G, GE, sxm, swn, 
             if FUSED:
                 acc_up += tl.sum(bu.to(tl.float32) * a.to(tl.float32), 1)
         else:
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee" if IEEE else "tf32")
+            acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc, input_precision="ieee" if IEEE else "tf32")
             if FUSED:
-                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision="ieee" if IEEE else "tf32")
+                acc_up = tl.dot(a, tl.trans(bu.to(a.dtype)), acc_up, input_precision="ieee" if IEEE else "tf32")
         if step % KS == KS - 1:  # chunk done: epilogue
             res = acc if BT > 1 else acc[None, :]
+            res_up = acc_up if BT > 1 else acc_up[None, :]
+            if FP8:  # the per-output-channel scales, in fp32
+                res = res * tl.load(ws + n)[None, :]
+                if FUSED:
+                    res_up = res_up * tl.load(wus + n)[None, :]
             if FUSED:
-                res = res / (1.0 + tl.exp(-res)) * (acc_up if BT > 1 else acc_up[None, :])
+                res = res / (1.0 + tl.exp(-res)) * res_up
             on = tl.load(mask + t[:, None] * G + g[None, :], mask=(t < M)[:, None] & (g < G)[None, :], other=1) > 0
             tl.store(out + t[:, None] * som + n[None, :], tl.where(on, res, 0.0).to(out.dtype.element_ty),
                      mask=(t < M)[:, None])
@@ -366,7 +405,8 @@ def _gemv_mn_kernel(x, w, w_up, out, mask, live_list, M, N, K, G, GE, sxm, swn, 
                  mask=(t < M)[:, None])
 
 
-def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, config=None, dense_tail=0):
+def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, config=None, dense_tail=0,
+            w_scale=None, w_up_scale=None):
     """Masked linear with output-channel groups: x[M,K], w[N,K], mask [M, N/group_size] -> [M,N].
 
     With w_up it is the fused SwiGLU input silu(x @ w.T) * (x @ w_up.T) (w = gate).
@@ -374,7 +414,10 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     only gemm_k with the same mask may consume such an output, since it never reads those slots.
     config overrides the tuned block sizes (CONFIGS) of the kernel this call launches.
     dense_tail: the last rows of w are always computed (decode only: Q with K and V after it in one
-    weight stream, mask [M, (N - dense_tail) / group_size]).
+    weight stream, mask [M, (N - dense_tail) / group_size]). With dense_tail = N and a mask [M, 0] every
+    row is computed: the dense model through the same kernel.
+    w_scale [N] (and w_up_scale for w_up): w (and w_up) are float8_e4m3fn with these per-row scales.
+    The decode GEMV reads the fp8 bytes; more tokens dequantize to x's dtype and run the sorted tiles.
     """
     check_device(x)
     M, K = x.shape
@@ -383,8 +426,16 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     assert (G + GE) * group_size == N and group_size % 16 == 0, "group_size must divide N and be a multiple of 16"
     assert not dense_tail or M <= SMALL_M, "dense_tail is for the decode GEMV"
     fused = w_up is not None
+    fp8 = w_scale is not None
+    assert not fused or fp8 == (w_up_scale is not None), "fp8 gate and up need a scale each"
+    if fp8 and M > SMALL_M:  # only the decode GEMV reads fp8; the tiles get the values it stands for
+        w = dequantize_fp8(w, w_scale, x.dtype)
+        w_up = dequantize_fp8(w_up, w_up_scale, x.dtype) if fused else None
+        fp8 = False
     x, w = x.contiguous(), w.contiguous()
     w_up = w_up.contiguous() if fused else w
+    ws = w_scale.contiguous() if fp8 else x  # (a placeholder pointer when there are no scales)
+    wus = w_up_scale.contiguous() if fp8 and fused else ws
     out = _empty((M, N), x.dtype, x.device)
     ieee = x.dtype == torch.float32
     if M <= SMALL_M:  # decode: GEMV straight from the mask
@@ -393,9 +444,9 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
         P = cfg["programs_per_sm"] * _num_sms(x.device)
         GP = max(2, triton.next_power_of_2(G + GE))
         BN = _pow2_divisor(group_size, cfg["BN"])
-        _gemv_mn_kernel[(P,)](x, w, w_up, out, m, _empty((P, GP), torch.int32, x.device), M, N, K, G, GE,
-                              x.stride(0), w.stride(0), out.stride(0), GS=group_size, GP=GP,
-                              BT=1 if M == 1 else SMALL_M, BN=BN, BK=cfg["BK"], FUSED=fused,
+        _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, m, _empty((P, GP), torch.int32, x.device), M, N, K,
+                              G, GE, x.stride(0), w.stride(0), out.stride(0), GS=group_size, GP=GP,
+                              BT=1 if M == 1 else SMALL_M, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8,
                               IEEE=ieee, **_launch(cfg))
         return out
     lay = _as_layout(mask_or_layout)
@@ -413,8 +464,10 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
 # ---------------------------------------------------------------------------------------------
 # gemm_k: reduction groups pruned (O projection, down projection)
 # ---------------------------------------------------------------------------------------------
-def gemm_k_ref(a, w, mask, group_size, residual=None):
-    """(a with the pruned groups' columns set to 0) @ w.T (+ residual). Pruned inputs are never read."""
+def gemm_k_ref(a, w, mask, group_size, residual=None, w_scale=None):
+    """(a with the pruned groups' columns set to 0) @ w.T (+ residual). Pruned inputs are never read.
+    fp8 weights (w_scale given): dequantized first."""
+    w = _dequantized(a, w, w_scale)
     keep = _flat_mask(mask).repeat_interleave(group_size, dim=1)
     y = torch.where(keep, a, torch.zeros((), dtype=a.dtype, device=a.device)) @ w.t()
     return y if residual is None else residual + y
@@ -430,14 +483,14 @@ def _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
     on = tl.load(mask + rows * G + g, mask=rok, other=0) > 0
     at = tl.load(a + rows[:, None].to(tl.int64) * sam + k0 + kk[None, :], mask=on[:, None], other=0.0)
     wt = tl.load(w + cols[:, None].to(tl.int64) * swn + k0 + kk[None, :], mask=cok[:, None], other=0.0)
-    return tl.dot(at, tl.trans(wt), acc, input_precision="ieee" if IEEE else "tf32")
+    return tl.dot(at, tl.trans(wt.to(at.dtype)), acc, input_precision="ieee" if IEEE else "tf32")
 
 
 @triton.jit
-def _gemm_k_kernel(a, w, out, res, part, tickets, mask, live_list, M, N, K, G, sam, swn, som,
+def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, G, sam, swn, som,
                    GS: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, HAS_RES: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   FP8: tl.constexpr, IEEE: tl.constexpr):
     """out[t, n] = sum over the groups g that token t runs of a[t, g-slice] . w[n, g-slice].
 
     Grid (cdiv(M,BM) * cdiv(N,BN),), L2-grouped. Tokens stay in their original order, so the
@@ -449,7 +502,9 @@ def _gemm_k_kernel(a, w, out, res, part, tickets, mask, live_list, M, N, K, G, s
     rows to keep the memory system busy, so SPLIT > 1 programs (grid axis 1) share a tile's live
     groups, each writing an fp32 partial [SPLIT, M, N]; the last of them to take the tile's ticket
     sums the partials in a fixed order (still deterministic) and writes the result. HAS_RES: the
-    epilogue adds a residual, rounded as `res + (a @ w.T)` is. Twin: gemm_k_ref.
+    epilogue adds a residual, rounded as `res + (a @ w.T)` is. FP8: w holds e4m3 codes (the skipped
+    groups' bytes are still never read); the fp32 sum is multiplied by output channel n's scale ws[n]
+    before the residual add. Twin: gemm_k_ref.
     """
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
@@ -494,6 +549,8 @@ def _gemm_k_kernel(a, w, out, res, part, tickets, mask, live_list, M, N, K, G, s
         acc = tl.load(part + offs, mask=ok, other=0.0, cache_modifier=".cg")
         for s in range(1, SPLIT):
             acc += tl.load(part + s * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
+    if FP8:
+        acc = acc * tl.load(ws + cols, mask=cok, other=0.0)[None, :]
     y = acc.to(out.dtype.element_ty)
     if HAS_RES:
         y = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(out.dtype.element_ty)
@@ -532,12 +589,15 @@ def _gemm_k_atomic_kernel(a, w, out32, counts, perm, work, M, N, NT, sam, swn,
                   mask=ok[:, None] & (cols < N)[None, :], sem="relaxed")
 
 
-def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residual=None, tickets=None):
+def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residual=None, tickets=None,
+           w_scale=None):
     """Masked linear with reduction groups: a[M,K], w[N,K], mask [M, K/group_size] -> [M,N].
 
     residual [M, N]: return residual + (that result), the add fused into the kernel ("tile" only).
     tickets: int32 zeros, one per output tile, for the decode split (the kernel leaves them zero, so a
     CUDA graph can replay it; an engine keeps one buffer); None allocates them.
+    w_scale [N]: w is float8_e4m3fn with these per-row scales ("tile" reads the fp8 bytes at any M;
+    "atomic" dequantizes first).
 
     method="tile" (default): deterministic, no atomics (see _gemm_k_kernel).
     method="atomic": per-group sorted tiles + fp32 atomics (the authors' scheme; not deterministic).
@@ -551,6 +611,8 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     N = w.shape[0]
     G = K // group_size
     assert G * group_size == K and group_size % 16 == 0, "group_size must divide K and be a multiple of 16"
+    if w_scale is not None and method == "atomic" and M > SMALL_M:
+        w, w_scale = dequantize_fp8(w, w_scale, a.dtype), None
     a, w = a.contiguous(), w.contiguous()
     ieee = a.dtype == torch.float32
     if method == "atomic" and M > SMALL_M:
@@ -580,8 +642,9 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
         residual = residual.contiguous()
     GP = max(2, triton.next_power_of_2(G))
     live_list = _empty((grid[0] * split, GP), torch.int32, a.device)
-    _gemm_k_kernel[grid](a, w, out, residual if residual is not None else out, part, tickets, m, live_list,
+    ws = w_scale.contiguous() if w_scale is not None else out  # (a placeholder pointer without scales)
+    _gemm_k_kernel[grid](a, w, ws, out, residual if residual is not None else out, part, tickets, m, live_list,
                          M, N, K, G, a.stride(0), w.stride(0), N, GS=group_size, GP=GP, BM=cfg["BM"],
                          BN=cfg["BN"], BK=_pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, SPLIT=split,
-                         HAS_RES=residual is not None, IEEE=ieee, **_launch(cfg))
+                         HAS_RES=residual is not None, FP8=w_scale is not None, IEEE=ieee, **_launch(cfg))
     return out
