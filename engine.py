@@ -15,6 +15,11 @@ a GPU or under TRITON_INTERPRET=1 on the CPU, or the call fails; nothing falls b
 ops it deliberately hands to cuBLAS (exact, because pruned slots are zero) are named in `Policy`,
 printed by `generate.py --backend triton`.
 
+fp8 weights (`Engine(model, weights="fp8")`, generate.py --weights fp8): the prunable linears' weights
+(Q, K and V as one fused tensor, O, gate+up, down) are quantized once to e4m3 with one scale per output
+channel; the embeddings and lm_head stay in the model dtype. Steps of at most kernels.SMALL_M tokens run
+the fp8 decode kernels (the dense model too, every group live); longer ones dequantize and run as bf16.
+
 The small fused kernels of this path (RMSNorm with the residual add, RoPE with the KV-cache write,
 the decode-time router) sit at the end of this file, each after its PyTorch twin. Inference only:
 prefill from position 0 and one-token decode steps (what generate.py runs); a CUDA graph replays a
@@ -53,9 +58,17 @@ class Policy:
         """Run a pruned linear over M tokens through its kernel? kind "mn" (Q, gate+up) or "k" (O, down)."""
         return M <= self.sparse_decode_max_tokens or (kind == "mn" and M >= self.sparse_prefill_min_tokens)
 
-    def describe(self):
+    def describe(self, weights="bf16"):
         d, p = self.sparse_decode_max_tokens, self.sparse_prefill_min_tokens
         middle = f"{d + 1}-{p - 1} tokens" if p - 1 > d else "no token count"
+        if weights == "fp8":
+            return "\n".join([
+                "  fp8 weights (e4m3, per-output-channel scales): Q, K, V, O, gate, up, down; embeddings and "
+                "lm_head stay in the model dtype",
+                f"  Triton, reading fp8: Q+K+V (gemm_mn, K and V as its dense tail), gate+up, O and down (gemm_k) "
+                f"at <= {kernels.SMALL_M} tokens, WIDE and dense alike (dense: every group live)",
+                f"  above {kernels.SMALL_M} tokens (prefill) the weights are dequantized to the model dtype, then as bf16:",
+                self.describe()])
         return "\n".join([
             f"  Triton: layout, attention (prefill and decode), RMSNorm, RoPE + cache write, routers "
             f"(<= {self.router_max_tokens} tokens);",
@@ -104,14 +117,14 @@ def fuse_weights(layer):
     return tuple(fused)
 
 
-def select(model, backend="auto", policy=None):
+def select(model, backend="auto", policy=None, weights="bf16"):
     """The one backend switch: "torch" -> the model itself, "triton" -> Engine(model), "auto" -> triton
     on a CUDA model whose shapes the kernels take, else torch. Both are called as model(idx, ...)."""
     if backend not in ("torch", "triton", "auto"):
         raise ValueError(f"backend must be torch, triton or auto, got {backend!r}")
     if backend == "auto":
         backend = "triton" if model.embed_tokens.weight.is_cuda and why_not_ready(model) is None else "torch"
-    return model if backend == "torch" else Engine(model, policy)
+    return model if backend == "torch" else Engine(model, policy, weights)
 
 
 def n_groups(router):
@@ -132,7 +145,9 @@ class Step(NamedTuple):
 class Engine:
     """model(idx, input_pos=None, logits_at=None, masks=None) with the pruned ops in Triton kernels."""
 
-    def __init__(self, model, policy=None):
+    def __init__(self, model, policy=None, weights="bf16"):
+        if weights not in ("bf16", "fp8"):
+            raise ValueError(f"weights must be bf16 (the model's own dtype) or fp8, got {weights!r}")
         problem = why_not_ready(model)
         if problem:
             raise ValueError(f"backend triton cannot run this model: {problem}; use --backend torch")
@@ -142,6 +157,14 @@ class Engine:
         self.model, self.config, self.policy = model, model.config, policy or Policy()
         with torch.no_grad():
             self.fused = {id(layer): fuse_weights(layer) for layer in model.layers}  # -> (wqkv, wgu)
+            # fp8: each prunable weight once as (e4m3 codes, fp32 scale per output channel). The model's
+            # own weights stay as they are; the engine never reads them for these linears again.
+            self.weights, self.fp8 = weights, {}
+            if weights == "fp8":
+                self.fp8 = {id(layer): dict(qkv=kernels.quantize_fp8(wqkv), gu=kernels.quantize_fp8(wgu),
+                                            o=kernels.quantize_fp8(layer.self_attn.o_proj.weight),
+                                            down=kernels.quantize_fp8(layer.mlp.down_proj.weight))
+                            for layer in model.layers for wqkv, wgu in [self.fused[id(layer)]]}
         device = model.embed_tokens.weight.device
         # Zeroed counters the kernels take tickets from and leave zero again (norm_route; gemm_k's split).
         self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
@@ -200,15 +223,16 @@ class Engine:
         """One layer. Each sublayer starts with one kernel that does the residual add, the RMSNorm and
         the router (norm_route), so a decode step has no separate launches for them."""
         wqkv, wgu = self.fused[id(layer)]
+        fp8 = self.fp8.get(id(layer))
         n, head_mask = self.norm_route(x, layer.input_layernorm, layer.attn_router, masks, "attn")
-        a, added = self.attention(layer.self_attn, wqkv, n, step, head_mask, residual=x)
+        a, added = self.attention(layer.self_attn, wqkv, n, step, head_mask, residual=x, fp8=fp8)
         if added:  # the O projection's kernel already formed h = x + a
             h = a
             n, channel_mask = self.norm_route(h, layer.post_attention_layernorm, layer.ffn_router, masks, "ffn")
         else:      # the norm's kernel forms it: (h, norm(h)) with h = x + a
             (h, n), channel_mask = self.norm_route(a, layer.post_attention_layernorm, layer.ffn_router, masks,
                                                    "ffn", residual=x)
-        return self.ffn(layer.mlp, wgu, n, channel_mask, residual=h)  # h + FFN(n)
+        return self.ffn(layer.mlp, wgu, n, channel_mask, residual=h, fp8=fp8)  # h + FFN(n)
 
     def norm_route(self, x, norm, router, masks, kind, residual=None):
         """(norm(x) or (h, norm(h)) with h = residual + x, and the router's decision on x or h as a bool
@@ -228,20 +252,30 @@ class Engine:
             masks.setdefault(kind, []).append(keepf)
         return normed, keep
 
-    def attention(self, attn, wqkv, x, step, head_mask, residual):
+    def attention(self, attn, wqkv, x, step, head_mask, residual, fp8=None):
         """Attention with head_mask bool [B, T, G] or None (dense); wqkv = [Wq; Wk; Wv] (fuse_weights).
         Returns (residual + attention, True) where the O projection's kernel adds the residual in its
-        epilogue, else (attention, False)."""
+        epilogue, else (attention, False). fp8: the layer's quantized weights (Engine(weights="fp8"))."""
         B, T, _ = x.shape
         M, H, Hkv, d = B * T, attn.n_heads, attn.n_kv_heads, attn.head_dim
         nq = H * d
         x2 = x.reshape(M, -1)
         sparse_mn, sparse_k = self.policy.sparse(M, "mn"), self.policy.sparse(M, "k")
+        wo, read_fp8 = attn.o_proj.weight, fp8 is not None and M <= kernels.SMALL_M
+        if fp8 is not None and not read_fp8:  # a prefill: the values the fp8 codes stand for, then as bf16
+            wqkv, wo = (kernels.dequantize_fp8(*fp8[k], x.dtype) for k in ("qkv", "o"))
         if head_mask is not None:
             mask, gs = head_mask.reshape(M, -1), H // head_mask.shape[-1] * d
             # The layout (mask reordering), built once per router decision: Q proj and attention share it.
             lay = kernels.layout(head_mask) if not step.decode else mask
-        if head_mask is not None and sparse_mn and M <= kernels.SMALL_M:
+        if read_fp8:
+            # fp8 codes, one weight stream: Q's live groups (all of Q for the dense model), then K and V.
+            (w8, s8), tail = fp8["qkv"], wqkv.shape[0] - (nq if head_mask is not None else 0)
+            qkv = kernels.gemm_mn(x2, w8, mask if head_mask is not None else self.no_groups(M),
+                                  gs if head_mask is not None else dense_group(wqkv.shape[0]), dense_tail=tail,
+                                  w_scale=s8)
+            q, kv = qkv[:, :nq], qkv[:, nq:]
+        elif head_mask is not None and sparse_mn and M <= kernels.SMALL_M:
             # Decode: Q's live groups, then K and V (never pruned), as one weight stream in one launch.
             qkv = kernels.gemm_mn(x2, wqkv, mask, gs, dense_tail=wqkv.shape[0] - nq)
             q, kv = qkv[:, :nq], qkv[:, nq:]
@@ -270,17 +304,28 @@ class Engine:
             y = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], is_causal=True,
                                                enable_gqa=Hkv != H)
         y = y.transpose(1, 2).reshape(M, H * d)  # pruned heads are exact zeros here
+        if read_fp8:  # O from fp8 codes over the live groups (the dense model: all of them)
+            if head_mask is None:
+                gs = dense_group(nq)
+                mask = self.all_groups(M, nq // gs)
+            return kernels.gemm_k(y, fp8["o"][0], mask, gs, residual=residual.reshape(M, -1), tickets=self.tickets,
+                                  w_scale=fp8["o"][1]).view(B, T, -1), True
         if head_mask is not None and sparse_k:
-            return kernels.gemm_k(y, attn.o_proj.weight, mask, gs, residual=residual.reshape(M, -1),
+            return kernels.gemm_k(y, wo, mask, gs, residual=residual.reshape(M, -1),
                                   tickets=self.tickets).view(B, T, -1), True
-        return F.linear(y, attn.o_proj.weight).view(B, T, -1), False
+        return F.linear(y, wo).view(B, T, -1), False
 
-    def ffn(self, mlp, wgu, x, channel_mask, residual):
-        """residual + SwiGLU FFN, with channel_mask bool [B, T, G] or None (dense); wgu = [Wgate; Wup]."""
+    def ffn(self, mlp, wgu, x, channel_mask, residual, fp8=None):
+        """residual + SwiGLU FFN, with channel_mask bool [B, T, G] or None (dense); wgu = [Wgate; Wup].
+        fp8: the layer's quantized weights (Engine(weights="fp8"))."""
         B, T, D = x.shape
         M = B * T
         x2 = x.reshape(M, D)
         I, wd = wgu.shape[0] // 2, mlp.down_proj.weight
+        if fp8 is not None and M <= kernels.SMALL_M:
+            return self.ffn_fp8(x2, I, fp8, channel_mask, residual).view(B, T, D)
+        if fp8 is not None:  # a prefill: the values the fp8 codes stand for, then as bf16
+            wgu, wd = (kernels.dequantize_fp8(*fp8[k], x.dtype) for k in ("gu", "down"))
         if channel_mask is None or not self.policy.sparse(M, "mn"):
             g, u = F.linear(x2, wgu).split(I, dim=-1)  # gate and up in one GEMM
             a = F.silu(g) * u
@@ -296,6 +341,37 @@ class Engine:
         if self.policy.sparse(M, "k"):  # the residual add in the kernel's epilogue
             return kernels.gemm_k(a, wd, mask, gs, residual=residual.reshape(M, D), tickets=self.tickets).view(B, T, D)
         return residual + F.linear(a, wd).view(B, T, D)  # exact: the pruned channels of `a` are zero
+
+    def ffn_fp8(self, x2, I, fp8, channel_mask, residual):
+        """A decode step's FFN from fp8 codes: gate+up over the live channel groups, then down over them
+        (the dense model: every group live, through the same two kernels). Returns [M, D]."""
+        M = x2.shape[0]
+        (wgu, sgu), (wd, sd) = fp8["gu"], fp8["down"]
+        if channel_mask is not None:
+            mask, gs, tail = channel_mask.reshape(M, -1), I // channel_mask.shape[-1], 0
+        else:
+            gs, tail = dense_group(I), I
+            mask = self.no_groups(M)
+        a = kernels.gemm_mn(x2, wgu[:I], mask, gs, w_up=wgu[I:], dense_tail=tail, w_scale=sgu[:I], w_up_scale=sgu[I:])
+        if channel_mask is None:
+            mask = self.all_groups(M, I // gs)
+        return kernels.gemm_k(a, wd, mask, gs, residual=residual.reshape(M, -1), tickets=self.tickets, w_scale=sd)
+
+    def no_groups(self, M):
+        # gemm_mn's mask when every row is its dense tail (the dense model): [M, 0]
+        return torch.ones(M, 0, dtype=torch.bool, device=self.ticket.device)
+
+    def all_groups(self, M, G):
+        # gemm_k's mask when every group is live (the dense model): [M, G] all True
+        return torch.ones(M, G, dtype=torch.bool, device=self.ticket.device)
+
+
+def dense_group(n):
+    """The group size the dense model's fp8 decode kernels cut n rows (or reduction columns) into: the
+    largest power of two <= 128 that divides n (at least 16, as the kernels need)."""
+    gs = kernels._pow2_divisor(n, 128)
+    assert gs >= 16, f"{n} channels are not a multiple of 16"
+    return gs
 
 
 # ----------------------------------------------------------------------------------------------------

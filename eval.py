@@ -13,6 +13,9 @@ Rows:
                wide.load_dialled, offsets cached in the checkpoint's dial.json
   layerskip    stage 1 and stage 2 of every layer-skip target (train.py --method layerskip)
   static, teal the training-free baselines, calibrated here on training text (baselines.py)
+  fp8          dense and WIDE (stage 2 at 0.5) with fp8 weights: the prunable linears (q, k, v, o, gate, up,
+               down) rounded to e4m3 with one scale per output channel (kernels.quantize_fp8), as
+               engine.Engine(weights="fp8") serves them; next to the same models in their own dtype
 Routing is deterministic (eval mode) throughout. Per-layer realized sparsity goes to quality.json and a
 table of quality.md.
 """
@@ -28,6 +31,7 @@ import torch
 
 import baselines
 import data
+import kernels
 import train
 import wide
 from model import CheckpointError, Transformer, load_tokenizer
@@ -108,6 +112,40 @@ def dial_rows(args, x, y):
                               trained_target=wide.trained_target(wcfg), offsets=dial["offsets"]))
         print(f"{args.dial_from} dialled to {s:g}: ppl {rows[-1]['val_ppl']:.2f}, realized "
               f"{realized(rows[-1]):.3f}, flops {rows[-1]['linear_flop_fraction']:.3f}", flush=True)
+    return rows
+
+
+@torch.no_grad()
+def round_to_fp8(model):
+    """Replace the prunable linears' weights by the values their fp8 codes stand for, in place: the
+    model Engine(weights="fp8") computes (activations and routers stay as they are)."""
+    for layer in model.layers:
+        a, f = layer.self_attn, layer.mlp
+        for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.gate_proj, f.up_proj, f.down_proj):
+            lin.weight.copy_(kernels.dequantize_fp8(*kernels.quantize_fp8(lin.weight), lin.weight.dtype))
+    return model
+
+
+def fp8_rows(args, x, y, dense_ppl):
+    """Dense and WIDE stage 2 at 0.5, each in its own dtype and with fp8 weights."""
+    rows = []
+    loaders = [("dense", lambda: (base_model(args), None))]
+    if os.path.isfile(os.path.join(args.dial_from, "wide.json")):
+        loaders.append(("wide", lambda: wide.load_wide(args.dial_from, device=args.device)))
+    for method, load in loaders:
+        r = {}
+        for weights in ("model", "fp8"):
+            model, wcfg = load()
+            dtype = str(next(model.parameters()).dtype)[6:]
+            ppl, rates = score(model if weights == "model" else round_to_fp8(model), x, y, args)
+            r[weights] = dict(val_ppl=round(ppl, 3), realized=round(sum(
+                sum(v) / len(v) for v in rates.values()) / max(1, len(rates)), 4))
+        rows.append(dict(method=method, checkpoint=args.dial_from if method == "wide" else "base", dtype=dtype,
+                         val_ppl=r["model"]["val_ppl"], fp8_val_ppl=r["fp8"]["val_ppl"],
+                         fp8_vs_model=round(r["fp8"]["val_ppl"] / r["model"]["val_ppl"], 4),
+                         realized=r["model"]["realized"], fp8_realized=r["fp8"]["realized"]))
+        print(f"{method} with fp8 weights: ppl {rows[-1]['fp8_val_ppl']:.2f} ({dtype}: {rows[-1]['val_ppl']:.2f})",
+              flush=True)
     return rows
 
 
@@ -240,6 +278,8 @@ def main(argv=None):
                              lambda t: baseline("teal", t), steps, cfg)
                for w in rows if not args.no_baselines and (w["method"] == "wide dial" or (w["method"] == "wide" and w["stage"] == 2))]
 
+    fp8 = fp8_rows(args, x, y, dense_ppl)
+
     os.makedirs(args.results, exist_ok=True)
     meta = dict(date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
                 device=args.device, torch=torch.__version__, held_out_plays=list(data.HELD_OUT),
@@ -247,8 +287,8 @@ def main(argv=None):
     extra_static_teal = sorted(cache.values(), key=lambda r: (r["method"], r["target_sparsity"]))
     with open(os.path.join(args.results, "quality.json"), "w") as f:
         json.dump(dict(meta, dense_val_ppl=round(dense_ppl, 3), rows=rows, matched_flops=matched,
-                       baseline_evaluations=extra_static_teal), f, indent=2)
-    md = markdown(rows, matched, dense_ppl, meta)
+                       baseline_evaluations=extra_static_teal, fp8=fp8), f, indent=2)
+    md = markdown(rows, matched, dense_ppl, meta, fp8)
     with open(os.path.join(args.results, "quality.md"), "w") as f:
         f.write(md)
     print(md)
@@ -262,7 +302,7 @@ def target_label(r):
     return f"{r['target_sparsity']:g}"
 
 
-def markdown(rows, matched, dense_ppl, meta):
+def markdown(rows, matched, dense_ppl, meta, fp8=()):
     out = [f"# Held-out perplexity ({', '.join(p.split('/')[1][:-3] for p in meta['held_out_plays'])}; "
            f"{meta['held_out_tokens']} tokens, windows of {meta['block_size']})", "",
            f"`{meta['command']}` on {meta['device']}, torch {meta['torch']}, {meta['date']}. Sparsities and FLOPs "
@@ -301,6 +341,16 @@ def markdown(rows, matched, dense_ppl, meta):
         for r in layered:
             cells = " | ".join(f"{a:.2f} / {f:.2f}" for a, f in zip(r["attn_per_layer"], r["ffn_per_layer"]))
             out.append(f"| {r['method']} | {r['stage'] or '-'} | {target_label(r)} | {cells} |")
+    if fp8:
+        out += ["", "fp8 weights (weight-only e4m3, one scale per output channel, on q, k, v, o, gate, up, down; "
+                "embeddings, head and routers unchanged), as `generate.py --weights fp8` serves them. Target: "
+                "fp8 perplexity within 1% of the model's own dtype.", "",
+                "| model | dtype | val ppl | fp8 val ppl | fp8 / dtype | realized sparsity (dtype / fp8) |",
+                "|---|---|---|---|---|---|"]
+        for r in fp8:
+            name = "dense" if r["method"] == "dense" else f"WIDE stage 2 ({r['checkpoint']})"
+            out.append(f"| {name} | {r['dtype']} | {r['val_ppl']:.2f} | {r['fp8_val_ppl']:.2f} | "
+                       f"{r['fp8_vs_model']:.4f} | {r['realized']:.1%} / {r['fp8_realized']:.1%} |")
     return "\n".join(out) + "\n"
 
 

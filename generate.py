@@ -222,6 +222,9 @@ def main(argv=None):
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
                    help="torch: dense-masked reference; triton: kernels.py skips the pruned work; "
                         "auto: triton on a GPU")
+    p.add_argument("--weights", default="bf16", choices=["bf16", "fp8"],
+                   help="fp8: the pruned linears' weights quantized once to e4m3 (per-output-channel scales), "
+                        "read as fp8 by the decode kernels (backend triton)")
     p.add_argument("--compare-dense", action="store_true", help="also time the same generation with the "
                    "routers off (the dense model, same engine) and print both speeds")
     args = p.parse_args(argv)
@@ -264,8 +267,11 @@ def main(argv=None):
             raise SystemExit(f"error: --{'show-width' if args.show_width else 'compare-dense'} needs a router "
                              f"checkpoint; {path} is a dense model (add --sparsity 0.5)")
         model = Transformer.from_pretrained(path, device=args.device, dtype=dtype)
-    forward = engine.select(model.eval(), args.backend)  # the one backend switch
+    forward = engine.select(model.eval(), args.backend, weights=args.weights)  # the one backend switch
     backend = "triton" if isinstance(forward, engine.Engine) else "torch"
+    if args.weights == "fp8" and backend == "torch":
+        raise SystemExit("error: --weights fp8 runs on the Triton engine; add --backend triton (a CUDA GPU, "
+                         "or TRITON_INTERPRET=1 on a CPU)")
     tok = load_tokenizer(path)
     prompts = [q for q in (args.prompt or ["ROMEO:"]) for _ in range(args.num_samples)]
     rows = [encode_prompt(tok, q) for q in prompts]
@@ -298,7 +304,7 @@ def main(argv=None):
         print(f"dial: {target}; offsets " + (wide.describe_offsets(dial["offsets"]) if dial["offsets"] else "none")
               + f" ({dial['source']})")
     if backend == "triton":
-        print("backend triton; where each op runs:\n" + forward.policy.describe())
+        print("backend triton; where each op runs:\n" + forward.policy.describe(args.weights))
     if args.show_width:
         print(width_legend())
     for b, row in enumerate(out.tolist()):

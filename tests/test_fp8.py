@@ -119,3 +119,87 @@ def test_fp8_gemm_k_matches_the_dequantized_twin_with_the_residual(launches, M, 
     assert_close(out, kernels.gemm_k_ref(a, w, mask, gs, residual=res, w_scale=s))
     assert torch.count_nonzero(tickets) == 0, "the split leaves its tickets at zero"
     assert launches.count("gemm_k_kernel") == 1
+
+
+# ---------------------------------------------------------------------------------- the engine
+def dequantized_copy(m):
+    """The torch model whose prunable weights (q, k, v, o, gate, up, down) are their fp8 values."""
+    ref = copy.deepcopy(m)
+    with torch.no_grad():
+        for layer in ref.layers:
+            a, f = layer.self_attn, layer.mlp
+            for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.gate_proj, f.up_proj, f.down_proj):
+                lin.weight.copy_(kernels.dequantize_fp8(*kernels.quantize_fp8(lin.weight), lin.weight.dtype))
+    return ref
+
+
+def greedy(f, idx, n):
+    steps = []
+    out = generate(f, idx, n, temperature=0.0,
+                   on_token=lambda i, t, masks: steps.append({k: [x.clone() for x in v] for k, v in masks.items()}))
+    return out, steps
+
+
+FP8_KERNELS = ("gemv_mn_kernel", "gemm_k_kernel")
+
+
+@pytest.mark.parametrize("routers", [True, False], ids=["wide", "dense"])
+def test_fp8_engine_generates_exactly_as_the_dequantized_torch_model(launches, routers):
+    m = wide_model(routers=routers)
+    ref_model = dequantized_copy(m)
+    idx = torch.tensor([[5, 17, 3, 44, 9]], device=DEV)
+    with torch.no_grad():
+        ref, ref_steps = greedy(ref_model, idx, 10)
+        launches.clear()
+        e = engine.Engine(m, weights="fp8")
+        out, out_steps = greedy(e, idx, 10)
+    assert torch.equal(out, ref), f"\n{ref.tolist()}\n{out.tolist()}"
+    for a, b in zip(ref_steps, out_steps):
+        assert_same_masks(a, b)
+    for name in FP8_KERNELS:  # every linear of every decode step: Q+K+V, gate+up (GEMV), O, down
+        assert launches.count(name) >= 9 * 2 * len(m.layers), f"{name}: the fp8 decode kernels did not run"
+    # and the weights they read were the fp8 codes, not the model's own
+    assert all(w.dtype == torch.float8_e4m3fn for d in e.fp8.values() for w, _ in d.values())
+
+
+def test_fp8_engine_logits_match_the_dequantized_model_for_prefill_and_batched_decode():
+    m = wide_model()
+    ref_model = dequantized_copy(m)
+    idx = torch.randint(0, 96, (3, 20), generator=torch.Generator().manual_seed(1)).to(DEV)
+
+    def steps(f):  # a 20-token prefill (dequantized, cuBLAS) then 3-token decode steps (fp8 kernels)
+        f.setup_caches(3, 24)
+        out = [f(idx, input_pos=torch.arange(20, device=DEV))]
+        for i in range(2):
+            out.append(f(idx[:, i:i + 1], input_pos=torch.tensor([20 + i], device=DEV)))
+        f.clear_caches()
+        return torch.cat(out, 1)
+
+    with torch.no_grad():
+        ref, out = steps(ref_model), steps(engine.Engine(m, weights="fp8"))
+    _assert_close(out, ref, rtol=1e-5, what="logits")
+
+
+def test_weights_other_than_bf16_and_fp8_are_refused_and_fp8_is_described():
+    m = wide_model()
+    with pytest.raises(ValueError, match="bf16 .* or fp8"):
+        engine.Engine(m, weights="int4")
+    assert isinstance(engine.select(m, "triton", weights="fp8"), engine.Engine)
+    text = engine.Policy().describe("fp8")
+    assert "fp8" in text and "dequantized" in text and "lm_head" in text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 4])
+def test_fp8_decode_kernels_on_the_gpu_in_bf16(M):
+    gen = torch.Generator().manual_seed(M)
+    G, gs, K, N = 8, 128, 1024, 512
+    x = torch.randn(M, K, generator=gen).to(DEV, torch.bfloat16)
+    (w, s), (wu, su) = fp8_weight(G * gs, K, gen), fp8_weight(G * gs, K, gen)
+    mask = mask_of(M, G, 0.5, gen)
+    h = kernels.gemm_mn(x, w, mask, gs, w_up=wu, w_scale=s, w_up_scale=su)
+    _assert_close(h, kernels.gemm_mn_ref(x, w, mask, gs, w_up=wu, w_scale=s, w_up_scale=su), rtol=1e-2)
+    wd, sd = fp8_weight(N, G * gs, gen)
+    res = torch.randn(M, N, generator=gen).to(DEV, torch.bfloat16)
+    out = kernels.gemm_k(h, wd, mask, gs, residual=res, w_scale=sd)
+    _assert_close(out, kernels.gemm_k_ref(h, wd, mask, gs, residual=res, w_scale=sd), rtol=1e-2)
