@@ -34,15 +34,17 @@ def assert_close(actual, expected, atol=None, rtol=None, what="tensors"):
 
 class LaunchRecorder:
     """Records every launch of the project's Triton kernels (name -> list of grids), by wrapping the
-    `*_kernel` objects of kernels.py, kernels_attention.py and engine.py for one test. It is how the
+    `*_kernel` objects of the kernel files and engine.py for one test. It is how the
     CPU tests prove that the width-skipping kernels really ran, not a PyTorch twin in their place."""
 
     def __init__(self, monkeypatch):
         import engine
         import kernels
         import kernels_attention
+        import kernels_layout
+        import kernels_step
         self.grids = {}
-        for mod in (kernels, kernels_attention, engine):
+        for mod in (kernels, kernels_layout, kernels_attention, kernels_step, engine):
             for name, fn in list(vars(mod).items()):
                 if name.endswith("_kernel") and hasattr(fn, "__getitem__"):
                     monkeypatch.setattr(mod, name, self._spy(name.strip("_"), fn))

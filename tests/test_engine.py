@@ -1,4 +1,4 @@
-"""engine.py's own kernels against their twins, and what the engine does to the weights.
+"""The engine's fused step kernels (kernels_step.py) against their twins, and what the engine does to the weights.
 
 The fused small kernels of a step (residual add + RMSNorm + router, RMSNorm alone, RoPE with the
 KV-cache write) each have a PyTorch twin; on CPU they run in the Triton interpreter (fp32), and
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import engine
+import kernels_step
 import wide
 from conftest import assert_close
 from model import KVCache, ModelConfig, RMSNorm, Transformer
@@ -26,8 +27,8 @@ def test_rms_norm_kernel_matches_twin(rows, D, with_residual):
     with torch.no_grad():
         norm.weight.copy_(randn(D, seed=1))
         x, res = randn(2, rows, D, seed=2, std=3.0), randn(2, rows, D, seed=3)
-        got = engine.rms_norm(x, norm, res if with_residual else None)
-        ref = engine.rms_norm_ref(x, norm, res if with_residual else None)
+        got = kernels_step.rms_norm(x, norm, res if with_residual else None)
+        ref = kernels_step.rms_norm_ref(x, norm, res if with_residual else None)
     for g, r in zip(got if with_residual else [got], ref if with_residual else [ref]):
         assert_close(g, r, atol=1e-5, what="RMSNorm")
 
@@ -35,7 +36,7 @@ def test_rms_norm_kernel_matches_twin(rows, D, with_residual):
 def test_rms_norm_twin_is_the_model_norm_after_the_residual_add():
     norm = RMSNorm(32, 1e-5)
     x, res = torch.randn(3, 32), torch.randn(3, 32)
-    h, y = engine.rms_norm_ref(x, norm, res)
+    h, y = kernels_step.rms_norm_ref(x, norm, res)
     assert torch.equal(h, res + x) and torch.equal(y, norm(res + x))
 
 
@@ -55,8 +56,8 @@ def test_rope_and_store_kernel_matches_twin(B, T, H, Hkv, d):
     for c in caches:  # what is already in the cache must survive
         c.k_cache.copy_(randn(B, Hkv, L, d, seed=5))
         c.v_cache.copy_(randn(B, Hkv, L, d, seed=6))
-    got = engine.rope_and_store(q, k, v, step, caches[0].k_cache, caches[0].v_cache, H, Hkv, d)
-    ref = engine.rope_and_store_ref(q, k, v, step, caches[1].k_cache, caches[1].v_cache, H, Hkv, d)
+    got = kernels_step.rope_and_store(q, k, v, step, caches[0].k_cache, caches[0].v_cache, H, Hkv, d)
+    ref = kernels_step.rope_and_store_ref(q, k, v, step, caches[1].k_cache, caches[1].v_cache, H, Hkv, d)
     assert_close(got, ref, atol=1e-5, what="rotated q")
     assert_close(caches[0].k_cache, caches[1].k_cache, atol=1e-5, what="k cache")
     assert torch.equal(caches[0].v_cache, caches[1].v_cache), "v is stored as it is"
@@ -76,9 +77,9 @@ def test_norm_route_kernel_matches_twin_and_the_router_itself(M, with_residual):
         x, res = randn(2, M, 64, seed=7, std=4.0), randn(2, M, 64, seed=11, std=4.0)
         ticket = torch.zeros(1, dtype=torch.int32, device=DEV)
         for _ in range(2):  # the ticket is back at zero after a launch, so a second one works the same
-            normed, keep, keepf = engine.norm_route(x, norm, r, res if with_residual else None, ticket)
+            normed, keep, keepf = kernels_step.norm_route(x, norm, r, res if with_residual else None, ticket)
             assert ticket.item() == 0
-        ref_normed, ref, ref_f = engine.norm_route_ref(x, norm, r, res if with_residual else None)
+        ref_normed, ref, ref_f = kernels_step.norm_route_ref(x, norm, r, res if with_residual else None)
         assert torch.equal(keep, ref) and torch.equal(keepf, ref_f), "routing decisions must be identical"
         assert torch.equal(keepf, r(res + x if with_residual else x)), "the twin is the router's own rule"
         for got, want in zip(normed if with_residual else [normed], ref_normed if with_residual else [ref_normed]):
@@ -93,7 +94,7 @@ def test_norm_route_kernel_executes_on_a_tie(T):
     with torch.no_grad():
         r.up.weight.view(4, 2, -1)[:, 1] = r.up.weight.view(4, 2, -1)[:, 0]
         r.up.bias.zero_()
-        _, keep, keepf = engine.norm_route(randn(1, T, 64, seed=8), norm, r)
+        _, keep, keepf = kernels_step.norm_route(randn(1, T, 64, seed=8), norm, r)
     assert keep.all() and (keepf == 1).all()
 
 
@@ -102,7 +103,7 @@ def test_norm_route_kernel_skips_when_the_skip_logit_is_larger():
     with torch.no_grad():
         r.up.weight.zero_()
         r.up.bias.view(4, 2)[:, 1] = torch.tensor([1e-3, -1e-3, 1e-3, -1e-3])  # skip, run, skip, run
-        _, keep, _ = engine.norm_route(randn(2, 3, 64, seed=9), norm, r)
+        _, keep, _ = kernels_step.norm_route(randn(2, 3, 64, seed=9), norm, r)
     assert keep.tolist() == [[[False, True, False, True]] * 3] * 2
 
 

@@ -1,0 +1,256 @@
+"""
+The small fused kernels of an inference step (engine.py), each after its PyTorch twin:
+
+  norm_route      residual add + RMSNorm + the wide.Router decision, one launch per sublayer
+  rms_norm        RMSNorm (with the residual add) where there is no router
+  rope_and_store  RoPE on q and k, and k, v written into the static KV cache at each token's slot
+
+They skip nothing; they exist so that a decode step is a short list of launches that a CUDA graph
+replays. Same contract as kernels.py: Triton on a GPU or under TRITON_INTERPRET=1, or a clear error.
+"""
+import torch
+import triton
+import triton.language as tl
+
+import kernels
+from kernels import INTERPRET
+from model import apply_rope
+
+
+def rms_norm_ref(x, norm, residual=None):
+    """Twin of rms_norm: model.RMSNorm, after h = residual + x rounded to the model dtype."""
+    if residual is None:
+        return norm(x)
+    h = residual + x
+    return h, norm(h)
+
+
+def rms_norm(x, norm, residual=None):
+    """norm(x) in one kernel; with residual, (h, norm(h)) for h = residual + x, also in one kernel."""
+    kernels.check_device(x)
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D).contiguous()
+    y = kernels._empty(x2.shape, x2.dtype, x2.device)
+    h = kernels._empty(x2.shape, x2.dtype, x2.device) if residual is not None else y
+    res = residual.reshape(-1, D).contiguous() if residual is not None else x2
+    BD = triton.next_power_of_2(D)
+    _rms_norm_kernel[(x2.shape[0],)](x2, res, h, y, norm.weight, D, norm.eps, HAS_RES=residual is not None,
+                                     BD=BD, num_warps=8 if BD >= 2048 else 4)
+    return y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
+
+
+@triton.jit
+def _rms_norm_kernel(x, res, h_out, y, w, D, eps, HAS_RES: tl.constexpr, BD: tl.constexpr):
+    """One row per program: y = RMSNorm(x); with HAS_RES first h = res + x, rounded to the model
+    dtype as `x + a` is, and stored. Grid (rows,). Skips nothing. Twin: rms_norm_ref."""
+    row = tl.program_id(0).to(tl.int64) * D
+    d = tl.arange(0, BD)
+    ok = d < D
+    h = tl.load(x + row + d, mask=ok, other=0.0)
+    if HAS_RES:
+        h = (tl.load(res + row + d, mask=ok, other=0.0).to(tl.float32) + h.to(tl.float32)).to(h.dtype)
+        tl.store(h_out + row + d, h, mask=ok)
+    hf = h.to(tl.float32)
+    n = (hf * tl.rsqrt(tl.sum(hf * hf, 0) / D + eps)).to(h.dtype)
+    wt = tl.load(w + d, mask=ok, other=0.0)
+    tl.store(y + row + d, (wt.to(tl.float32) * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
+
+
+def rope_and_store_ref(q, k, v, step, k_dst, v_dst, H, Hkv, d):
+    """Twin of rope_and_store: model.apply_rope on q and k, then k and v written at each token's slot."""
+    M = q.shape[0]
+    B = k_dst.shape[0]
+    T = M // B
+    cos, sin = step.cos.view(B, T, 1, d), step.sin.view(B, T, 1, d)
+    q = apply_rope(q.view(B, T, H, d), cos, sin).view(M, H * d)
+    k = apply_rope(k.view(B, T, Hkv, d), cos, sin)                        # [B, T, Hkv, d]
+    idx = step.slot.view(B, 1, T, 1).expand(B, Hkv, T, d)
+    k_dst.scatter_(2, idx, k.transpose(1, 2).to(k_dst.dtype))
+    v_dst.scatter_(2, idx, v.view(B, T, Hkv, d).transpose(1, 2).to(v_dst.dtype))
+    return q
+
+
+def rope_and_store(q, k, v, step, k_dst, v_dst, H, Hkv, d):
+    """RoPE on q [M, H*d] and k [M, Hkv*d]; k and v go into k_dst/v_dst [B, Hkv, L, d] at step.slot."""
+    kernels.check_device(q)
+    # q, k, v may be column slices of one fused QKV output: rows strided, elements contiguous.
+    q, k, v = (t if t.stride(1) == 1 else t.contiguous() for t in (q, k, v))
+    assert k.stride(0) == v.stride(0), "k and v must share a row stride"
+    M = q.shape[0]
+    q_out = kernels._empty((M, H * d), q.dtype, q.device)
+    T = M // k_dst.shape[0]
+    _rope_kernel[(M,)](q, k, v, step.cos, step.sin, step.slot, q_out, k_dst, v_dst, T, H, Hkv, q.stride(0),
+                       k.stride(0), k_dst.stride(0), k_dst.stride(1), k_dst.stride(2),
+                       HP=triton.next_power_of_2(H), HKP=triton.next_power_of_2(Hkv), HALF=d // 2, num_warps=4)
+    return q_out
+
+
+@triton.jit
+def _rotate(src, dst, ok, c1, c2, s1, s2, HALF: tl.constexpr):
+    # apply_rope's "rotate half" in fp32: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), rounded once.
+    x1 = tl.load(src, mask=ok, other=0.0)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0)
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(dst, (a1 * c1 + (-a2) * s1).to(x1.dtype).to(dst.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF, (a2 * c2 + a1 * s2).to(x1.dtype).to(dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_kernel(q, k, v, cos, sin, slot, q_out, k_dst, v_dst, T, H, HKV, sq, sk, sdb, sdh, sdt,
+                 HP: tl.constexpr, HKP: tl.constexpr, HALF: tl.constexpr):
+    """RoPE for every head of one token. Grid (B*T,): the query heads go to q_out; the key heads, and
+    the value heads as they are, straight into the KV cache at the token's slot (K/V are never pruned:
+    the cache stays dense). Skips nothing. Twin: rope_and_store_ref."""
+    # sq: row stride of q (its heads contiguous); q_out is [M, H * 2 * HALF]; sk: row stride of k and v.
+    m = tl.program_id(0)
+    i = tl.arange(0, HALF)[None, :]
+    c1, c2 = tl.load(cos + m * 2 * HALF + i), tl.load(cos + m * 2 * HALF + HALF + i)
+    s1, s2 = tl.load(sin + m * 2 * HALF + i), tl.load(sin + m * 2 * HALF + HALF + i)
+    hq = tl.arange(0, HP)[:, None]
+    _rotate(q + m * sq + hq * 2 * HALF + i, q_out + m * H * 2 * HALF + hq * 2 * HALF + i, hq < H,
+            c1, c2, s1, s2, HALF)
+    hk = tl.arange(0, HKP)[:, None]
+    dst = (m // T).to(tl.int64) * sdb + hk * sdh + tl.load(slot + m) * sdt
+    _rotate(k + m * sk + hk * 2 * HALF + i, k_dst + dst + i, hk < HKV, c1, c2, s1, s2, HALF)
+    dd = tl.arange(0, 2 * HALF)[None, :]
+    vals = tl.load(v + m * sk + hk * 2 * HALF + dd, mask=hk < HKV, other=0.0)
+    tl.store(v_dst + dst + dd, vals.to(v_dst.dtype.element_ty), mask=hk < HKV)
+
+
+def route_ref(router, x):
+    """wide.Router's inference rule (skip iff z_skip > z_exec; a tie executes): (bool, float) [B, T, G]."""
+    z = router.logits(x)
+    keep = z[..., 1] <= z[..., 0]
+    return keep, keep.float()
+
+
+def norm_route_ref(x, norm, router, residual=None):
+    """Twin of norm_route: (rms_norm_ref(x, norm, residual), *route_ref(router, x or h))."""
+    normed = rms_norm_ref(x, norm, residual)
+    return (normed, *route_ref(router, x if residual is None else normed[0]))
+
+
+def norm_route(x, norm, router, residual=None, ticket=None):
+    """The start of a sublayer for the few tokens of a step, in one launch: h = residual + x (if given),
+    RMSNorm(h), and the wide.Router decision on the raw h. Returns (normed, keep bool, keep float) with
+    normed = norm(x), or (h, norm(h)) with a residual; masks [B, T, G].
+    ticket: an int32 counter that is zero between launches (the kernel leaves it zero, so a CUDA graph
+    can replay it); launches on one stream run one after another, so an engine needs only one."""
+    kernels.check_device(x)
+    B, T, D = x.shape
+    M = B * T
+    down, up = router.down, router.up
+    G, R = router.n_groups, down.out_features
+    x2 = x.reshape(M, D).contiguous()
+    res = residual.reshape(M, D).contiguous() if residual is not None else x2
+    y = kernels._empty((M, D), x.dtype, x.device)
+    h = kernels._empty((M, D), x.dtype, x.device) if residual is not None else y
+    z = kernels._empty((M, R), torch.float32, x.device)
+    keep = kernels._empty((M, G), torch.uint8, x.device)
+    keepf = kernels._empty((M, G), torch.float32, x.device)
+    ticket = torch.zeros(1, dtype=torch.int32, device=x.device) if ticket is None else ticket
+    BT = max(2, triton.next_power_of_2(M))
+    RB = triton.next_power_of_2(R) if INTERPRET else 1  # the interpreter pays per program
+    RP, BG = triton.next_power_of_2(R), max(2, triton.next_power_of_2(G))
+    # A few tokens: the second Linear in the same launch (its last program goes token by token). More
+    # tokens (batched decode): a second, token-parallel launch is faster than that serial tail.
+    up_here = M <= 4
+    P = triton.cdiv(R, RB)
+    CW = triton.cdiv(D, P)  # the columns of h / RMSNorm(h) each program writes
+    _norm_route_kernel[(P,)](
+        x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, z, up.weight, up.bias, keep, keepf, ticket,
+        M, D, R, G, CW, HAS_RES=residual is not None, UP=up_here, BT=BT, RB=RB,
+        BK=min(triton.next_power_of_2(D), max(16, 8192 // BT)), RP=RP, BG=BG, CWP=triton.next_power_of_2(CW),
+        num_warps=8)  # wide chunks: the loop over D is latency-bound, so few long iterations
+    if not up_here:
+        TB, BGU = (BT, BG) if INTERPRET else (1, min(64, BG))
+        _router_up_kernel[(triton.cdiv(M, TB), triton.cdiv(G, BGU))](z, up.weight, up.bias, keep, keepf, M, G, R,
+                                                                     TB=TB, RP=RP, BG=BGU, num_warps=4)
+    normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
+    return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G)
+
+
+@triton.jit
+def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, ticket, M, D, R, G,
+                       CW, HAS_RES: tl.constexpr, UP: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
+                       BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr, CWP: tl.constexpr):
+    """Residual add + RMSNorm + router for the M <= BT tokens of a step. Grid (cdiv(R, RB),).
+
+    Every program forms h = res + x (rounded to the model dtype as `x + a` is) and the router's first
+    Linear for its RB ranks, z = h @ wd[r] + bd[r] in fp32, and writes h and RMSNorm(h) for its share of
+    the columns. The
+    last program to take a ticket (the others' z are then visible) applies the second Linear and the
+    rule of wide.Router: skip iff z_skip > z_exec, a tie executes; it resets the ticket. Deterministic:
+    each z is one program's fixed-order sum, and one program does the rest. UP=False leaves the
+    second Linear to _router_up_kernel (many tokens). Skips nothing. Twin: norm_route_ref."""
+    pid = tl.program_id(0)
+    t = tl.arange(0, BT)
+    tok = t < M
+    r = pid * RB + tl.arange(0, RB)
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BT, RB, BK], tl.float32)
+    ss = tl.zeros([BT], tl.float32)
+    for k0 in range(0, D, BK):
+        ok = tok[:, None] & (k0 + kk < D)[None, :]
+        offs = t[:, None].to(tl.int64) * D + k0 + kk[None, :]
+        hv = tl.load(x + offs, mask=ok, other=0.0)
+        if HAS_RES:
+            hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
+        hf = hv.to(tl.float32)
+        ss += tl.sum(hf * hf, 1)
+        w = tl.load(wd + r[:, None] * D + k0 + kk[None, :], mask=(r < R)[:, None] & (k0 + kk < D)[None, :], other=0.0)
+        acc += hf[:, None, :] * w[None, :, :]
+    zt = tl.sum(acc, 2) + tl.load(bd + r, mask=r < R, other=0.0)[None, :]
+    tl.store(z + t[:, None] * R + r[None, :], zt, mask=tok[:, None] & (r < R)[None, :])
+    # h and RMSNorm(h) for this program's slice of CW columns (every program has the row sums of
+    # squares), so the write-out is spread over the grid instead of one program's serial loop.
+    c = pid * CW + tl.arange(0, CWP)
+    cok = (c < D) & (c < pid * CW + CW)
+    ok = tok[:, None] & cok[None, :]
+    offs = t[:, None].to(tl.int64) * D + c[None, :]
+    hv = tl.load(x + offs, mask=ok, other=0.0)
+    if HAS_RES:
+        hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
+        tl.store(h_out + offs, hv, mask=ok)
+    n = (hv.to(tl.float32) * tl.rsqrt(ss / D + eps)[:, None]).to(hv.dtype)
+    wt = tl.load(nw + c, mask=cok, other=0.0)
+    tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
+    if UP:
+        # The second Linear's weights, loaded by every program before the ticket: whichever program
+        # is last then has them at hand instead of starting a dependent load.
+        g = tl.arange(0, BG)
+        rr = tl.arange(0, RP)
+        wm = (g < G)[:, None] & (rr < R)[None, :]
+        w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
+        w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+        b_exec = tl.load(bu + 2 * g, mask=g < G, other=0.0)
+        b_skip = tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
+        tl.debug_barrier()  # every thread's z is stored before the ticket is taken (release)
+        if tl.atomic_add(ticket, 1) == tl.num_programs(0) - 1:  # the last program: z is complete
+            tl.atomic_xchg(ticket, 0)
+            for m in range(0, M):
+                zr = tl.load(z + m * R + rr, mask=rr < R, other=0.0, cache_modifier=".cg")[None, :]
+                run = tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec  # a tie executes
+                tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
+                tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)
+
+
+@triton.jit
+def _router_up_kernel(z, wu, bu, keep, keepf, M, G, R, TB: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr):
+    """The router's second Linear and rule for many tokens at once (norm_route with UP=False): the
+    (execute, skip) logit pair of each group, skip iff z_skip > z_exec (a tie executes).
+    Grid (cdiv(M, TB), cdiv(G, BG)). Twin: norm_route_ref."""
+    t = (tl.program_id(0) * TB + tl.arange(0, TB))[:, None, None]
+    g = (tl.program_id(1) * BG + tl.arange(0, BG))[None, :, None]
+    r = tl.arange(0, RP)[None, None, :]
+    zr = tl.load(z + t * R + r, mask=(t < M) & (r < R), other=0.0)
+    wm = (g < G) & (r < R)
+    z_exec = tl.sum(tl.load(wu + (2 * g) * R + r, mask=wm, other=0.0) * zr, 2)
+    z_skip = tl.sum(tl.load(wu + (2 * g + 1) * R + r, mask=wm, other=0.0) * zr, 2)
+    t, g = tl.sum(t, 2), tl.sum(g, 2)  # [TB, 1], [1, BG]
+    ok = (t < M) & (g < G)
+    z_exec += tl.load(bu + 2 * g, mask=g < G, other=0.0)
+    z_skip += tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
+    run = z_skip <= z_exec  # the inference rule; a tie executes
+    tl.store(keep + t * G + g, run.to(tl.uint8), mask=ok)
+    tl.store(keepf + t * G + g, run.to(tl.float32), mask=ok)
