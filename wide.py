@@ -23,8 +23,9 @@ Where to look for the rest:
               channel_mask the SwiGLU product before down_proj (training and the torch backend: dense
               compute, skipped work zeroed). Every Block appends the masks its routers returned to the
               `masks` dict of Transformer.forward; skip_rates and last_width read that dict.
-  kernels.py  "The line that builds the layout" (mask reordering: each group's active tokens made
-              contiguous) and "dead tile" (a tile no token of its group runs returns before any load).
+  kernels_layout.py  "The line that builds the layout" (mask reordering: each group's active tokens
+              made contiguous); kernels.py "dead tile" (a tile no token of its group runs returns
+              before any load); engine.py, the Triton path that runs it all.
   baselines.py  static width, TEAL-style thresholds. The layer-skip baseline (one router of one group
               per layer, gating both residual branches) is trained like WIDE, so it lives here:
               WideConfig(method="layerskip").
@@ -393,7 +394,7 @@ def fold_offsets(model, offsets):
 
     Exact and free: z_skip + offset is what the router's second Linear now computes, so every path that
     applies the router's own rule applies the dial without knowing about it: Router.forward in the torch
-    path, and the fused router kernel of engine.py (z_skip + b_skip <= z_exec + b_exec, a tie executes),
+    path, and the fused router kernel of kernels_step.py (z_skip + b_skip <= z_exec + b_exec, a tie executes),
     which therefore needs no change. The checkpoint keeps the raw biases; wide.json keeps the offsets."""
     for kind, i, r in router_list(model):
         if kind in offsets:
