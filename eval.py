@@ -208,6 +208,8 @@ def matched_entry(w, f, rows, dense_ppl, static_at, teal_at, static_steps, cfg):
     it realized, and interpolated between those two measurements. Every baseline's own FLOPs are kept."""
     entry = dict(wide_method=w["method"], wide_stage=w["stage"], wide_target=w["target_sparsity"],
                  linear_flop_fraction=f, wide_ppl=w["val_ppl"])
+    if "attn_target" in w:  # separate targets: label the row by them, not by their mean
+        entry.update(attn_target=w["attn_target"], ffn_target=w["ffn_target"])
     ls = [(r["linear_flop_fraction"], r["val_ppl"]) for r in rows
           if r["method"] == "layerskip" and r["stage"] == max(1, w["stage"])]
     entry["layerskip_ppl"] = interpolate(ls, f)
@@ -329,7 +331,8 @@ def markdown(rows, matched, dense_ppl, meta, fp8=()):
             ls = f"{m['layerskip_ppl']:.2f}" if m["layerskip_ppl"] is not None else "not bracketed"
             st = f"{m['static_ppl']:.2f}" if m["static_ppl"] is not None else "not bracketed"
             gr = f"{m['gap_ratio']:.2f}" if m.get("gap_ratio") is not None else "-"
-            name = f"{'dial' if m['wide_method'] == 'wide dial' else 'stage ' + str(m['wide_stage'])}, s={m['wide_target']:g}"
+            name = f"{'dial' if m['wide_method'] == 'wide dial' else 'stage ' + str(m['wide_stage'])}, " + (
+                f"a{m['attn_target']:g}/f{m['ffn_target']:g}" if "attn_target" in m else f"s={m['wide_target']:g}")
             out.append(f"| {name} | {m['linear_flop_fraction']:.1%} | {m['wide_ppl']:.2f} | {ls} | "
                        f"{st} [{pts(m['static_points'])}] | {m['teal_ppl']:.2f} [{pts(m['teal_points'])}] | {gr} |")
     layered = [r for r in rows if "attn_per_layer" in r]
