@@ -21,9 +21,9 @@ channel; the embeddings and lm_head stay in the model dtype. Steps of at most ke
 the fp8 decode kernels (the dense model too, every group live); longer ones dequantize and run as bf16.
 
 The small fused kernels of this path (residual add + RMSNorm + router, RoPE with the KV-cache write)
-live in kernels_step.py, each after its PyTorch twin. Inference only:
-prefill from position 0 and one-token decode steps (what generate.py runs); a CUDA graph replays a
-decode step (generate.py).
+live in kernels_step.py, each after its PyTorch twin. Inference only: prefills (whole, or in chunks
+at shared positions, as serve.py feeds them) and one-token decode steps at per-row positions; a CUDA
+graph replays a decode step (generate.py).
 """
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -138,6 +138,7 @@ class Step(NamedTuple):
     kv_len: torch.Tensor    # [B] int32 cache length after this decode step (None for a prefill)
     all_heads: torch.Tensor  # [B, 1] all True: the dense model's decode attention
     visible: torch.Tensor   # [B, 1, 1, L] cache slots each row may see (dense_decode_attention "sdpa")
+    start: int              # a prefill's first position: 0, or where a chunk of a longer prompt begins
 
 
 class Engine:
@@ -183,13 +184,15 @@ class Engine:
         cached = m.causal_mask is not None
         if input_pos is not None and not cached:
             raise ValueError("input_pos needs a KV cache: call setup_caches(batch_size) first")
-        if input_pos is None or (T > 1 and input_pos.dim() == 1 and int(input_pos[0]) == 0):
-            decode = False  # (a prefill checks its start on the host once; decode steps never sync)
+        if input_pos is None:
+            decode, start = False, 0
         elif T == 1:
-            decode = True
+            decode, start = True, 0
+        elif input_pos.dim() == 1:  # a prefill, or a chunk of one at positions start..start+T-1
+            decode, start = False, int(input_pos[0])  # (one host sync per prefill; decode steps never sync)
         else:
-            raise ValueError("the Triton engine runs prefills from position 0 and one-token decode steps; "
-                             "a chunk of several tokens after position 0 needs the torch backend")
+            raise ValueError("the Triton engine runs prefills (whole or chunked) at shared positions and "
+                             "one-token decode steps; several tokens at per-row positions need the torch backend")
         pos = (torch.arange(T, device=idx.device) if input_pos is None else input_pos).expand(B, T)
         cos, sin = m.rope(pos)                                           # [B, T, head_dim]
         d = cos.shape[-1]
@@ -201,7 +204,7 @@ class Engine:
         if decode and self.policy.dense_decode_attention == "sdpa":
             L = m.causal_mask.shape[0]
             visible = (torch.arange(L, device=idx.device) < kv_len[:, None])[:, None, None]
-        return Step(decode, cos, sin, slot, kv_len, all_heads, visible)
+        return Step(decode, cos, sin, slot, kv_len, all_heads, visible, start)
 
     def __call__(self, idx, input_pos=None, logits_at=None, masks=None):
         """idx [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] at logits_at), as Transformer.forward."""
@@ -296,10 +299,16 @@ class Engine:
             y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=step.visible, enable_gqa=Hkv != H)
         elif step.decode:
             y = attention_decode(q, kc, vc, step.all_heads, step.kv_len)
-        elif head_mask is not None:
-            y = attention_prefill(q, kc[:, :, :T], vc[:, :, :T], lay)
-        else:  # routers off: the dense baseline at its best (cuDNN / flash through SDPA)
+        elif head_mask is not None:  # a prefill chunk at `start` sees the start + T keys before it
+            S = step.start
+            y = attention_prefill(q, kc[:, :, :S + T], vc[:, :, :S + T], lay, start=S)
+        elif step.start == 0:  # routers off: the dense baseline at its best (cuDNN / flash through SDPA)
             y = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], is_causal=True,
+                                               enable_gqa=Hkv != H)
+        else:
+            S = step.start
+            visible = torch.arange(S + T, device=x.device)[None, :] <= S + torch.arange(T, device=x.device)[:, None]
+            y = F.scaled_dot_product_attention(q, kc[:, :, :S + T], vc[:, :, :S + T], attn_mask=visible,
                                                enable_gqa=Hkv != H)
         y = y.transpose(1, 2).reshape(M, H * d)  # pruned heads are exact zeros here
         if read_fp8:  # O from fp8 codes over the live groups (the dense model: all of them)

@@ -23,14 +23,18 @@ def _expand_heads(mask, H):
     return mask.repeat_interleave(H // mask.shape[-1], dim=-1)
 
 
-def attention_prefill_ref(q, k, v, head_mask, causal=True):
-    """SDPA (GQA by repeating K/V heads), then the inactive (token, head-group) outputs set to 0."""
+def attention_prefill_ref(q, k, v, head_mask, causal=True, start=0):
+    """SDPA (GQA by repeating K/V heads), then the inactive (token, head-group) outputs set to 0.
+    start: the queries sit at positions start.. and k/v hold the start + T keys before them."""
     B, H, T, _ = q.shape
     if isinstance(head_mask, Layout):
         head_mask = head_mask.mask.view(head_mask.batch, -1, head_mask.mask.shape[-1])
     rep = H // k.shape[1]
+    visible = None
+    if causal and start:
+        visible = torch.arange(k.shape[2], device=q.device)[None, :] <= start + torch.arange(T, device=q.device)[:, None]
     o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                       is_causal=causal)
+                                       attn_mask=visible, is_causal=causal and not start)
     keep = _expand_heads(head_mask, H).permute(0, 2, 1)[..., None]  # [B, H, T, 1]
     return torch.where(keep, o, torch.zeros((), dtype=o.dtype, device=o.device))
 
@@ -59,7 +63,7 @@ def _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, start, pos, kv_end, qk_scal
 
 
 @triton.jit
-def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT,
+def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT, S, LK,
                          sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, qk_scale,
                          HPG: tl.constexpr, HPK: tl.constexpr, PACK: tl.constexpr,
                          BMT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, BP: tl.constexpr,
@@ -71,7 +75,8 @@ def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT,
     and one tile of the group's active tokens of sequence b, in the layout's ascending order.
     The causal key range ends at the tile's last token, so compaction keeps the causal saving.
     Tiles past the active tokens (block skip) load nothing; they write the zeros of the
-    inactive tokens. Twin: attention_prefill_ref.
+    inactive tokens. A chunk of a longer prompt starts at position S: its T queries sit at S..S+T-1
+    and see the LK = S + T keys before them. Twin: attention_prefill_ref.
     """
     tile, h0, b = tl.program_id(0), tl.program_id(1) * PACK, tl.program_id(2)
     g, hk = h0 // HPG, h0 // HPK
@@ -103,13 +108,13 @@ def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT,
     m_i = tl.full([PACK * BMT], float("-inf"), tl.float32)
     l_i = tl.zeros([PACK * BMT], tl.float32)
     if CAUSAL:
-        kv_end = hi + 1
-        mid = (lo + 1) // BN * BN  # keys below mid are visible to every row: no mask needed
-        lim = pos
+        kv_end = S + hi + 1
+        mid = (S + lo + 1) // BN * BN  # keys below mid are visible to every row: no mask needed
+        lim = S + pos
     else:
-        kv_end = T
-        mid = T // BN * BN
-        lim = pos * 0 + T
+        kv_end = LK
+        mid = LK // BN * BN
+        lim = pos * 0 + LK
     for s in range(0, mid, BN):
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, s, lim, kv_end, qk_scale,
                                     BN, D, False, IEEE)
@@ -120,11 +125,13 @@ def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT,
              (acc / l_i[:, None]).to(o.dtype.element_ty), mask=ok[:, None])
 
 
-def attention_prefill(q, k, v, head_mask, causal=True, config=None):
-    """q[B,H,T,d], k/v[B,Hkv,T,d], head_mask [B,T,G] (or its Layout) -> [B,H,T,d]."""
+def attention_prefill(q, k, v, head_mask, causal=True, config=None, start=0):
+    """q[B,H,T,d], k/v[B,Hkv,start+T,d], head_mask [B,T,G] (or its Layout) -> [B,H,T,d].
+    start > 0: a chunk of a longer prompt, its queries at positions start.., the keys before them cached."""
     check_device(q)
     B, H, T, D = q.shape
     Hkv = k.shape[1]
+    assert k.shape[2] == start + T or not causal, "causal: k/v hold exactly the start + T keys"
     lay = _as_layout(head_mask)
     G = lay.mask.shape[1]
     assert lay.batch == B and H % G == 0 and H % Hkv == 0, "head_mask must be [B, T, G] with G | H"
@@ -136,7 +143,7 @@ def attention_prefill(q, k, v, head_mask, causal=True, config=None):
     o = _empty((B, H, T, D), q.dtype, q.device)
     grid = (triton.cdiv(T, bmt) + 1, H // pack, B)
     _attn_prefill_kernel[grid](
-        q, k, v, o, lay.perm, lay.batch_counts, B, T, G, B * T,
+        q, k, v, o, lay.perm, lay.batch_counts, B, T, G, B * T, start, k.shape[2],
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         (1.0 / math.sqrt(D)) * 1.4426950408889634, HPG=hpg, HPK=hpk, PACK=pack, BMT=bmt,

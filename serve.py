@@ -16,10 +16,9 @@ of different lengths). A finished request frees its slot at once and the next on
 
 - Prefill writes straight into the request's own cache row: SlotView hands the model a [1, ...] view of
   that row as its KV cache, so a prefill is exactly generate.py's prefill at batch 1 (no copy).
-- Chunked prefill (backend torch): a long prompt goes in `chunk` tokens per loop iteration at positions
-  [start, start + chunk), so running decodes are not stalled by it. The Triton engine runs prefills from
-  position 0 only (engine.Engine.step refuses a chunk after position 0), so there a prompt is prefilled
-  whole, one prompt per iteration.
+- Chunked prefill (both backends): a long prompt goes in `chunk` tokens per loop iteration at positions
+  [start, start + chunk), each chunk attending to the cache before it, so running decodes are not
+  stalled by it; without `chunk` a prompt is prefilled whole, one prompt per iteration.
 - A decode step runs the first n rows of the cache, n the smallest bucket (BUCKETS) that covers the
   highest running slot; rows in there that are not decoding run a dummy token (a free slot at position
   0, a slot between prefill chunks at slot_len - 1, a position no request that fits ever reads). On a
@@ -76,9 +75,6 @@ class Server:
         self.forward, self.n_slots, self.slot_len = forward, n_slots, slot_len
         self.is_engine = isinstance(forward, engine.Engine)
         self.model = forward.model if self.is_engine else forward
-        if chunk and self.is_engine:
-            raise ValueError("the Triton engine prefills whole prompts (it runs prefills from position 0 only); "
-                             "chunked prefill needs --backend torch")
         if slot_len > self.model.config.max_seq_len:
             raise ValueError(f"slot_len {slot_len} exceeds the model's context of {self.model.config.max_seq_len}")
         self.chunk = chunk
@@ -332,9 +328,9 @@ def run_bench(w, args, argv):
                workload=f"{w.requests} requests per rate, Poisson arrivals (seed {w.seed}), prompts log-uniform in "
                         f"{w.prompt[0]}-{w.prompt[1]} tokens, outputs uniform in {w.output[0]}-{w.output[1]} tokens, "
                         f"greedy, {w.n_slots} slots of {slot_len} positions",
-               engine="engine.Engine (Triton) for every profile; dense = the routers removed; whole-prompt prefill "
-                      "(the engine runs prefills from position 0 only), one prompt per loop iteration between decode "
-                      "steps; decode steps replayed as CUDA graphs per batch bucket" + (" (eager on the CPU)" if w.smoke else ""))
+               engine="engine.Engine (Triton) for every profile; dense = the routers removed; prompts prefilled in "
+                      f"chunks of {args.chunk} tokens, one chunk per loop iteration between decode steps; decode steps "
+                      "replayed as CUDA graphs per batch bucket" + (" (eager on the CPU)" if w.smoke else ""))
     for name, attn, ffn in w.profiles:
         if time.time() - t_start > args.budget_s:
             print(f"{name}: skipped (time budget of {args.budget_s:.0f} s spent)", flush=True)
@@ -345,7 +341,7 @@ def run_bench(w, args, argv):
         else:
             set_profile(m, routers, attn, ffn, run.calibrate_tokens)
             skip = realized_skip(m, run.calibrate_tokens)
-        server = Server(engine.Engine(m), w.n_slots, slot_len)
+        server = Server(engine.Engine(m), w.n_slots, slot_len, chunk=args.chunk)
         try:
             server.warm_up()
             server.run(draw_requests(w, math.inf, w.seed + 999, m.config.vocab_size)[:w.warmup_requests])
@@ -530,6 +526,8 @@ def main(argv=None):
     p.add_argument("--rates", default="", help="bench: request rates, comma-separated (inf = all at once)")
     p.add_argument("--requests", type=int, default=None, help="bench: requests per rate")
     p.add_argument("--budget-s", type=float, default=480, help="bench: start no new rate after this many seconds")
+    p.add_argument("--chunk", type=int, default=512, help="bench: prefill chunk in tokens (a long prompt does not "
+                   "stall the running decodes for longer than one chunk)")
     p.add_argument("--out-dir", default="out", help="union: where train.py wrote its checkpoints")
     args = p.parse_args(argv)
     torch.manual_seed(0)

@@ -130,15 +130,31 @@ def test_dense_model_through_the_triton_engine_equals_the_reference(launches):
     assert launches.count("attn_decode_kernel") == len(m.layers) and launches.count("rms_norm_kernel") > 0
 
 
+@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE], ids=["default", "all-sparse"])
+def test_prefill_in_chunks_through_the_engine_equals_the_whole_prompt(launches, policy):
+    # A long prompt fed in chunks (serve.py does this between decode steps): each chunk attends to the
+    # cache before it, and the logits equal the reference's whole-prompt forward.
+    for routers in (True, False):
+        m = wide_model(routers=routers)
+        idx = torch.randint(0, 96, (2, 23), generator=torch.Generator().manual_seed(4)).to(DEV)
+        e = engine.Engine(m, policy)
+        with torch.no_grad():
+            full = m(idx)
+            e.setup_caches(2, 32)
+            parts = [e(idx[:, a:b], input_pos=torch.arange(a, b, device=DEV)) for a, b in ((0, 9), (9, 10), (10, 23))]
+            e.clear_caches()
+        assert_close(torch.cat(parts, 1), full, 1e-5)
+    assert launches.count("attn_prefill_kernel") == 2 * len(m.layers)  # the two multi-token chunks, routed
+
+
 def test_the_engine_refuses_what_it_does_not_run_instead_of_falling_back():
     m = wide_model()
-    idx = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(4)).to(DEV)
+    idx = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(4)).to(DEV)
     e = engine.Engine(m)
     with torch.no_grad():
-        e.setup_caches(1, 16)
-        e(idx[:, :5], input_pos=torch.arange(5, device=DEV))
-        with pytest.raises(ValueError, match="torch backend"):  # a prefill chunk after position 0
-            e(idx[:, 5:12], input_pos=torch.arange(5, 12, device=DEV))
+        e.setup_caches(2, 16)
+        with pytest.raises(ValueError, match="torch backend"):  # several tokens at per-row positions
+            e(idx[:, :5], input_pos=torch.arange(5, device=DEV).expand(2, 5))
         e.clear_caches()
     with pytest.raises(RuntimeError, match="no_grad"):  # training runs the reference path
         e(idx)

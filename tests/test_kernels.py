@@ -174,13 +174,14 @@ def test_one_layout_serves_gate_up_then_down():
 
 
 # ---------------------------------------------------------------------------------- attention
-def run_prefill(B, H, Hkv, T, D, G, p_on, causal, gen, lengths=None):
-    q, k, v = randn(B, H, T, D, gen=gen), randn(B, Hkv, T, D, gen=gen), randn(B, Hkv, T, D, gen=gen)
+def run_prefill(B, H, Hkv, T, D, G, p_on, causal, gen, lengths=None, start=0):
+    # start > 0: a chunk of a longer prompt, its T queries after `start` cached keys
+    q, k, v = randn(B, H, T, D, gen=gen), randn(B, Hkv, start + T, D, gen=gen), randn(B, Hkv, start + T, D, gen=gen)
     mask = make_mask((B, T, G), p_on, gen)
     if lengths is not None:  # right padding: padded tokens run no group
         mask &= (torch.arange(T, device=DEV)[None, :] < torch.tensor(lengths, device=DEV)[:, None])[..., None]
-    out = kernels_attention.attention_prefill(q, k, v, mask, causal=causal)
-    ref = kernels_attention.attention_prefill_ref(q, k, v, mask, causal=causal)
+    out = kernels_attention.attention_prefill(q, k, v, mask, causal=causal, start=start)
+    ref = kernels_attention.attention_prefill_ref(q, k, v, mask, causal=causal, start=start)
     assert_close(out, ref)
     keep = mask.repeat_interleave(H // G, dim=-1).permute(0, 2, 1)
     assert (out[~keep] == 0).all(), "inactive (token, head group) outputs must be exactly zero"
@@ -203,6 +204,23 @@ def run_decode(B, H, Hkv, L, D, G, p_on, lengths, gen):
 @pytest.mark.parametrize("G", [1, 2, 4])  # 2 = one group per KV head (default); 4 = a group inside a KV head
 def test_attention_prefill_matches_twin(G, causal):
     run_prefill(2, 4, 2, 37, 16, G, 0.5, causal, torch.Generator().manual_seed(G), lengths=[37, 20])
+
+
+@pytest.mark.parametrize("start, T", [(5, 7), (16, 16), (33, 9)])  # inside, at and past a key block
+@pytest.mark.parametrize("G", [2, 4])
+def test_attention_prefill_of_a_chunk_sees_the_cached_keys_before_it(start, T, G):
+    run_prefill(2, 4, 2, T, 16, G, 0.5, True, torch.Generator().manual_seed(start + G), start=start)
+
+
+def test_attention_prefill_twin_of_a_chunk_is_the_matching_rows_of_the_whole_prompt():
+    # The twin's meaning: a chunk's outputs are the rows start.. of the whole prompt's attention.
+    gen = torch.Generator().manual_seed(30)
+    B, H, Hkv, L, D, S = 1, 4, 2, 20, 16, 12
+    q, k, v = randn(B, H, L, D, gen=gen), randn(B, Hkv, L, D, gen=gen), randn(B, Hkv, L, D, gen=gen)
+    mask = make_mask((B, L, 2), 0.5, gen)
+    whole = kernels_attention.attention_prefill_ref(q, k, v, mask)
+    chunk = kernels_attention.attention_prefill_ref(q[:, :, S:], k, v, mask[:, S:], start=S)
+    assert_close(chunk, whole[:, :, S:], tol=1e-6)
 
 
 @pytest.mark.parametrize("p_on", [0.0, 1.0])

@@ -2,7 +2,7 @@
 
 CPU, fp32, the small kernel-shaped model of test_e2e.py. Requests arrive in a random order at random
 loop iterations (a fake clock), more requests than slots, so slots are reused and rows decode at
-different positions next to each other; the torch backend also prefills in chunks. The Triton backend
+different positions next to each other; prompts are also prefilled in chunks. The Triton backend
 runs in the interpreter (conftest) and the launch recorder proves that the width-skipping kernels ran.
 """
 import itertools
@@ -55,7 +55,8 @@ def test_every_request_equals_generating_it_alone_torch(seed, chunk):
         assert r.tokens == alone(m, r), f"request with a {len(r.prompt)}-token prompt (slot {r.slot})"
 
 
-def test_every_request_equals_generating_it_alone_triton(launches):
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_every_request_equals_generating_it_alone_triton(launches, chunk):
     # The interpreter pays about a second per forward here, so generating alone with the engine is done
     # for one request; all of them are checked against the torch backend's generate, whose greedy tokens
     # equal the engine's (test_e2e.py).
@@ -66,16 +67,11 @@ def test_every_request_equals_generating_it_alone_triton(launches):
         expected = [alone(m, r) for r in reqs]
         assert alone(e, reqs[0]) == expected[0]
     launches.clear()
-    server = serve_all(e, reqs, n_slots=2, slot_len=24)
+    server = serve_all(e, reqs, n_slots=2, slot_len=24, chunk=chunk)
     assert max(server.busy) == 2
     for name in SKIPPING:
         assert launches.count(name) > 0, f"{name} never ran: the serving loop did not take the Triton path"
     assert [r.tokens for r in reqs] == expected
-
-
-def test_triton_engine_refuses_chunked_prefill():
-    with pytest.raises(ValueError, match="prefills whole prompts"):
-        serve.Server(engine.Engine(wide_model()), 2, 24, chunk=4)
 
 
 def test_oversized_request_is_rejected_while_the_others_run():
