@@ -460,7 +460,8 @@ def bytes_table(preset="llama-3.1-8b", batches=(1, 4, 8, 16, 32, 64), contexts=(
 
 
 def union_markdown(rec):
-    out = ["# Mask union of trained routers", "", f"`{rec['command']}`, {rec['date']}. Held-out text: data.py's "
+    out = ["# Mask union of trained routers", "", f"`{rec['command']}` on {rec['device']}, torch {rec['torch']}, "
+           f"{rec['date']}. Held-out text: data.py's "
            "held-out plays, eval.py's windows of 128 tokens. A batch = B tokens drawn at random from all held-out "
            f"positions ({rec['trials']} batches per B); live = share of groups that at least one of the B tokens runs "
            "(mean over groups and layers); bound = mean over groups of 1 - s^B, s the group's own skip rate "
@@ -507,7 +508,9 @@ def run_union(args, argv):
     if not paths:
         sys.exit(f"error: no trained router checkpoint under {args.out_dir}/ (train one with: python train.py --sparsity 0.5)")
     import datetime
+    import platform
     rec = dict(command=" ".join(["python", "serve.py"] + list(argv)), trials=400,
+               device=f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)", torch=torch.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                checkpoints=mask_union(paths, (1, 2, 4, 8, 16, 32, 64)))
     save(args.out, rec, union_markdown(rec))
