@@ -306,9 +306,9 @@ class Engine:
             y = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], is_causal=True,
                                                enable_gqa=Hkv != H)
         else:
-            S = step.start
-            visible = torch.arange(S + T, device=x.device)[None, :] <= S + torch.arange(T, device=x.device)[:, None]
-            y = F.scaled_dot_product_attention(q, kc[:, :, :S + T], vc[:, :, :S + T], attn_mask=visible,
+            S = step.start  # a chunk: rows S.. of the model's causal mask say which cached keys it sees
+            y = F.scaled_dot_product_attention(q, kc[:, :, :S + T], vc[:, :, :S + T],
+                                               attn_mask=self.model.causal_mask[S:S + T, :S + T],
                                                enable_gqa=Hkv != H)
         y = y.transpose(1, 2).reshape(M, H * d)  # pruned heads are exact zeros here
         if read_fp8:  # O from fp8 codes over the live groups (the dense model: all of them)
