@@ -130,7 +130,7 @@ def norm_route_ref(x, norm, router, residual=None):
     return (normed, *route_ref(router, x if residual is None else normed[0]))
 
 
-def norm_route(x, norm, router, residual=None, ticket=None):
+def norm_route(x, norm, router, residual=None, ticket=None, ranks_per_program=None):
     """The start of a sublayer for the few tokens of a step, in one launch: h = residual + x (if given),
     RMSNorm(h), and the wide.Router decision on the raw h. Returns (normed, keep bool, keep float) with
     normed = norm(x), or (h, norm(h)) with a residual; masks [B, T, G].
@@ -150,7 +150,9 @@ def norm_route(x, norm, router, residual=None, ticket=None):
     keepf = kernels._empty((M, G), torch.float32, x.device)
     ticket = torch.zeros(1, dtype=torch.int32, device=x.device) if ticket is None else ticket
     BT = max(2, triton.next_power_of_2(M))
-    RB = triton.next_power_of_2(R) if INTERPRET else 1  # the interpreter pays per program
+    # One router rank per program on a GPU; the interpreter pays per program, so one program there,
+    # unless a test asks for several (the ticket hand-over only happens between programs).
+    RB = ranks_per_program or (triton.next_power_of_2(R) if INTERPRET else 1)
     RP, BG = triton.next_power_of_2(R), max(2, triton.next_power_of_2(G))
     # A few tokens: the second Linear in the same launch (its last program goes token by token). More
     # tokens (batched decode): a second, token-parallel launch is faster than that serial tail.

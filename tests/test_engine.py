@@ -22,11 +22,12 @@ def randn(*shape, seed=0, std=1.0):
 
 @pytest.mark.parametrize("rows, D", [(1, 64), (7, 96), (33, 128)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_kernel_matches_twin(rows, D, with_residual):
+@pytest.mark.parametrize("scale", [3.0, 1e-3])  # 1e-3: mean square ~1e-6, where eps = 1e-5 matters
+def test_rms_norm_kernel_matches_twin(rows, D, with_residual, scale):
     norm = RMSNorm(D, 1e-5).to(DEV)
     with torch.no_grad():
         norm.weight.copy_(randn(D, seed=1))
-        x, res = randn(2, rows, D, seed=2, std=3.0), randn(2, rows, D, seed=3)
+        x, res = randn(2, rows, D, seed=2, std=scale), randn(2, rows, D, seed=3, std=scale)
         got = kernels_step.rms_norm(x, norm, res if with_residual else None)
         ref = kernels_step.rms_norm_ref(x, norm, res if with_residual else None)
     for g, r in zip(got if with_residual else [got], ref if with_residual else [ref]):
@@ -70,14 +71,17 @@ def router(D=64, G=4, seed=0):
 
 @pytest.mark.parametrize("M", [1, 3, 16, 40])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_norm_route_kernel_matches_twin_and_the_router_itself(M, with_residual):
+@pytest.mark.parametrize("ranks_per_program", [None, 8])  # 8: four programs hand over through the ticket
+@pytest.mark.parametrize("scale", [4.0, 1e-3])  # 1e-3: mean square ~1e-6, where eps = 1e-5 matters
+def test_norm_route_kernel_matches_twin_and_the_router_itself(M, with_residual, ranks_per_program, scale):
     r, norm = router(), RMSNorm(64, 1e-5).to(DEV)
     with torch.no_grad():
         norm.weight.copy_(randn(64, seed=10))
-        x, res = randn(2, M, 64, seed=7, std=4.0), randn(2, M, 64, seed=11, std=4.0)
+        x, res = randn(2, M, 64, seed=7, std=scale), randn(2, M, 64, seed=11, std=scale)
         ticket = torch.zeros(1, dtype=torch.int32, device=DEV)
         for _ in range(2):  # the ticket is back at zero after a launch, so a second one works the same
-            normed, keep, keepf = kernels_step.norm_route(x, norm, r, res if with_residual else None, ticket)
+            normed, keep, keepf = kernels_step.norm_route(x, norm, r, res if with_residual else None, ticket,
+                                                         ranks_per_program)
             assert ticket.item() == 0
         ref_normed, ref, ref_f = kernels_step.norm_route_ref(x, norm, r, res if with_residual else None)
         assert torch.equal(keep, ref) and torch.equal(keepf, ref_f), "routing decisions must be identical"
