@@ -134,8 +134,9 @@ def dequantized_copy(m):
 
 
 def greedy(f, idx, n):
+    # Eager steps (no CUDA graph on a GPU): the launch counts below see every decode step's kernels.
     steps = []
-    out = generate(f, idx, n, temperature=0.0,
+    out = generate(f, idx, n, temperature=0.0, cuda_graph=False,
                    on_token=lambda i, t, masks: steps.append({k: [x.clone() for x in v] for k, v in masks.items()}))
     return out, steps
 
