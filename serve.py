@@ -29,6 +29,7 @@ Greedy decoding only: every request's tokens are then exactly those of generatin
 (tests/test_serve.py checks it on the CPU for both backends).
 """
 import argparse
+import contextlib
 import math
 import os
 import random
@@ -87,6 +88,7 @@ class Server:
         self.slots = [None] * n_slots    # the request in each slot, or None
         self.queue, self.done = [], []
         self.steps, self.busy = 0, []    # decode steps run; running requests at each step
+        self.marks = []                  # (phase, start event, end event, tokens): GPU time per phase
 
     def close(self):
         self.graphs.clear()
@@ -121,9 +123,39 @@ class Server:
             self.slots[req.slot] = req
         filling = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]
         if filling:
-            self.prefill(min(filling, key=lambda r: r.arrival), now)
+            with self.timed("prefill") as mark:
+                mark[-1] = self.prefill(min(filling, key=lambda r: r.arrival), now)
         if any(r is not None and r.tokens for r in self.slots):
-            self.decode(now)
+            with self.timed("decode") as mark:
+                mark[-1] = self.decode(now)
+
+    @contextlib.contextmanager
+    def timed(self, phase):
+        # CUDA events around a phase (no extra host sync: the decode step's argmax syncs anyway), read
+        # after the run; on the CPU, wall time. Where a slow serving run spends its GPU time.
+        if not self.device.type == "cuda":
+            t = time.perf_counter()
+            mark = [phase, t, None, 0]
+            yield mark
+            mark[2] = time.perf_counter()
+        else:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            mark = [phase, a, b, 0]
+            yield mark
+            b.record()
+        self.marks.append(mark)
+
+    def phase_ms(self):
+        """{phase: (total ms, steps, tokens)} over the marks so far (prefill tokens, decode rows)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        out = {}
+        for phase, a, b, n in self.marks:
+            ms = a.elapsed_time(b) if self.device.type == "cuda" else (b - a) * 1e3
+            t, k, tok = out.get(phase, (0.0, 0, 0))
+            out[phase] = (t + ms, k + 1, tok + n)
+        return out
 
     def prefill(self, req, now):
         P, start = len(req.prompt), req.prefilled
@@ -137,6 +169,7 @@ class Server:
             req.tokens.append(int(logits[0, -1].argmax()))
             req.t_first = time.perf_counter() if now is None else now()
             self.finish_if_done(req, now)
+        return end - start
 
     def decode(self, now):
         top = max(i for i, r in enumerate(self.slots) if r is not None and r.tokens)
@@ -165,6 +198,7 @@ class Server:
         for r in running:
             r.tokens.append(nxt[r.slot])
             self.finish_if_done(r, now)
+        return len(running)
 
     def finish_if_done(self, req, now):
         if len(req.tokens) == req.max_new_tokens:
@@ -172,6 +206,7 @@ class Server:
             self.slots[req.slot] = None
             self.done.append(req)
 
+    @torch.no_grad()  # the Triton engine refuses grad-enabled calls, and graphs capture no autograd
     def warm_up(self):
         """Capture every bucket's CUDA graph before timing (all slots free: dummy rows at position 0)."""
         for n in self.buckets if self.cuda_graph else []:
@@ -255,7 +290,16 @@ def summarize(reqs, server, wall_s):
                 output_tok_s=n_out / wall_s, ttft_p50_ms=pct(ttft, 50) * 1e3, ttft_p99_ms=pct(ttft, 99) * 1e3,
                 tpot_p50_ms=pct(tpot, 50) * 1e3, tpot_p99_ms=pct(tpot, 99) * 1e3,
                 concurrency_max=max(server.busy, default=0),
-                concurrency_mean=sum(server.busy) / max(1, len(server.busy)), decode_steps=server.steps)
+                concurrency_mean=sum(server.busy) / max(1, len(server.busy)), decode_steps=server.steps,
+                **phase_columns(server.phase_ms(), wall_s))
+
+
+def phase_columns(ph, wall_s):
+    """GPU time (CPU: wall time) per phase: prefill ms per 1k prompt tokens, decode ms per step, and
+    the share of the run's wall time that the two phases' GPU work fills."""
+    (p_ms, _, p_tok), (d_ms, d_n, _) = ph.get("prefill", (0.0, 0, 0)), ph.get("decode", (0.0, 0, 0))
+    return dict(prefill_ms_per_1k_tokens=p_ms / max(1, p_tok) * 1e3, decode_ms_per_step=d_ms / max(1, d_n),
+                gpu_busy_share=(p_ms + d_ms) / 1e3 / wall_s)
 
 
 def set_profile(m, routers, attn, ffn, tokens):
@@ -282,7 +326,8 @@ def serving_markdown(rec):
     out = [f"# Serving on {rec['gpu']}", "", f"torch {rec['torch']}, triton {rec['triton']}, {rec['date']}, "
            f"`{rec['command']}`, {rec.get('wall_s', '?')} s.", "", f"Model: {rec['model']}. Workload: {rec['workload']}. "
            f"Engine: {rec['engine']}", "", "| rate (req/s) | profile | output tok/s | vs dense | TTFT p50 / p99 (ms) | "
-           "TPOT p50 / p99 (ms) | concurrency max / mean | skipped attn / FFN |", "|---|---|---|---|---|---|---|---|"]
+           "TPOT p50 / p99 (ms) | concurrency max / mean | skipped attn / FFN | GPU: prefill ms per 1k tokens / decode ms "
+           "per step / busy share |", "|---|---|---|---|---|---|---|---|---|"]
     dense = {r["rate"]: r for r in rec["rows"] if r["profile"] == "dense"}
     for r in rec["rows"]:
         d = dense.get(r["rate"])
@@ -290,7 +335,9 @@ def serving_markdown(rec):
         sk = r.get("skip") or {}
         out.append(f"| {r['rate']:g} | {r['profile']} | {r['output_tok_s']:.1f} | {ratio} | {r['ttft_p50_ms']:.0f} / "
                    f"{r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {r['concurrency_max']} / "
-                   f"{r['concurrency_mean']:.1f} | " + (f"{sk['attn']:.0%} / {sk['ffn']:.0%}" if sk else "") + " |")
+                   f"{r['concurrency_mean']:.1f} | " + (f"{sk['attn']:.0%} / {sk['ffn']:.0%}" if sk else "") + " | "
+                   + (f"{r['prefill_ms_per_1k_tokens']:.1f} / {r['decode_ms_per_step']:.2f} / {r['gpu_busy_share']:.0%}"
+                      if "decode_ms_per_step" in r else "") + " |")
     return "\n".join(out) + "\n"
 
 
@@ -349,7 +396,7 @@ def run_bench(w, args, argv):
                 if time.time() - t_start > args.budget_s:
                     print(f"{name} rate {rate:g}: skipped (time budget of {args.budget_s:.0f} s spent)", flush=True)
                     continue
-                server.steps, server.busy, server.done = 0, [], []
+                server.steps, server.busy, server.done, server.marks = 0, [], [], []
                 reqs = draw_requests(w, rate, w.seed, m.config.vocab_size)
                 t = time.perf_counter()
                 server.run(reqs)
