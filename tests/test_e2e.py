@@ -9,6 +9,7 @@ different lengths. With a GPU the same tests run there (fp32), and the GPU tests
 bf16; they skip without CUDA. Speed lives in `python bench_e2e.py`, never here.
 """
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -134,17 +135,20 @@ def test_dense_model_through_the_triton_engine_equals_the_reference(launches):
 def test_prefill_in_chunks_through_the_engine_equals_the_whole_prompt(launches, policy):
     # A long prompt fed in chunks (serve.py does this between decode steps): each chunk attends to the
     # cache before it, and the logits equal the reference's whole-prompt forward.
-    for routers in (True, False):
+    # Routed: both multi-token chunks run the prefill kernel. Dense: the first runs SDPA (is_causal), the
+    # later one the kernel with every head on (Policy.dense_chunk_attention), or SDPA with mask rows.
+    for routers, chunk_attention, kernel_chunks in ((True, "triton", 2), (False, "triton", 1), (False, "sdpa", 0)):
         m = wide_model(routers=routers)
         idx = torch.randint(0, 96, (2, 23), generator=torch.Generator().manual_seed(4)).to(DEV)
-        e = engine.Engine(m, policy)
+        e = engine.Engine(m, dataclasses.replace(policy, dense_chunk_attention=chunk_attention))
+        launches.clear()
         with torch.no_grad():
             full = m(idx)
             e.setup_caches(2, 32)
             parts = [e(idx[:, a:b], input_pos=torch.arange(a, b, device=DEV)) for a, b in ((0, 9), (9, 10), (10, 23))]
             e.clear_caches()
         assert_close(torch.cat(parts, 1), full, 1e-5)
-    assert launches.count("attn_prefill_kernel") == 2 * len(m.layers)  # the two multi-token chunks, routed
+        assert launches.count("attn_prefill_kernel") == kernel_chunks * len(m.layers), (routers, chunk_attention)
 
 
 def test_the_engine_refuses_what_it_does_not_run_instead_of_falling_back():
