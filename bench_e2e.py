@@ -6,6 +6,7 @@ against the same model with its routers removed, in the same engine.
   python bench_e2e.py --only decode,compile # a subset of the parts: prefill, decode, compile, fp8, small
   python bench_e2e.py --decode 1x1024,32x8192   # other decode rows (batch x context)
   python bench_e2e.py --budget-s 300        # start no new row after this many seconds
+  python bench_e2e.py --only fp8 --append   # replace only these parts' rows in results/e2e_h200.*
   TRITON_INTERPRET=1 python bench_e2e.py --smoke   # the same code on the CPU: a tiny fp32 model (CI)
 
 What each part measures:
@@ -31,6 +32,8 @@ half the tokens of a random prompt (calibrate_routers). Timing: CUDA events arou
 warm-up; --smoke times with the CPU clock (meaningless) and never writes under results/.
 """
 import argparse
+import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -414,8 +417,11 @@ def markdown(m):
     rows = m["rows"]
     pct = lambda v: f"{v:.0%}"
     out = [f"# WIDE end to end on {m['gpu']}", "",
-           f"torch {m['torch']}, triton {m['triton']}, {m['date']}, `{m['command']}`, {m.get('wall_s', '?')} s.", "",
-           f"Model: {m['model']}. Routers: {m['routers']}. Engine: engine.Engine for both sides; the dense side "
+           f"torch {m['torch']}, triton {m['triton']}, {m['date']}, `{m['command']}`, {m.get('wall_s', '?')} s.", ""]
+    cmds = m.get("commands", {})
+    if len(set(cmds.values())) > 1:  # --append: parts measured by other commands (each row: its own versions)
+        out += ["Rows by part: " + "; ".join(f"{p}: `{c}`" for p, c in cmds.items()) + ".", ""]
+    out += [f"Model: {m['model']}. Routers: {m['routers']}. Engine: engine.Engine for both sides; the dense side "
            "is the same model with its routers removed (decode attention: the faster of the split-KV Triton "
            "kernel with every head on and SDPA; prefill attention: SDPA's default backend). Decode steps are "
            f"CUDA graphs (generate.CUDAGraphDecoder) with greedy argmax. Dense GB/s = (weights + KV cache) per "
@@ -469,6 +475,13 @@ def markdown(m):
 PARTS = ("prefill", "decode", "compile", "fp8", "small")
 
 
+def part_of(row):
+    # Which part of the run wrote a row (--append replaces the rows of the parts it runs).
+    if "compiled_ms" in row:
+        return "compile"
+    return {"prefill": "prefill", "decode fp8": "fp8", "decode (small model)": "small"}.get(row["phase"], "decode")
+
+
 def run_e2e(run, args, argv):
     t_start = time.time()
     log = lambda text: print(f"[{time.time() - t_start:5.0f}s] {text}", flush=True)
@@ -484,6 +497,14 @@ def run_e2e(run, args, argv):
               timing="CUDA events; prefill: median of 5 forwards; decode: mean over N graph replays after "
                      f"{run.warmup} warm-up steps")
     rows = record["rows"]
+    if args.append and os.path.exists(args.out + ".json"):  # keep the other parts' rows and their commands
+        with open(args.out + ".json") as f:
+            old = json.load(f)
+        rows += [r for r in old["rows"] if part_of(r) not in parts]
+        record["commands"] = {p: c for p, c in old.get("commands", {}).items() if p not in parts}
+        record["commands"].update({p: old["command"] for p in {part_of(r) for r in rows}
+                                   if p not in record["commands"]})
+    record.setdefault("commands", {}).update({p: record["command"] for p in parts})
 
     def add(make, label):
         if time.time() - t_start > args.budget_s:
@@ -542,6 +563,7 @@ def main(argv=None):
                    "--smoke: a temporary folder)")
     p.add_argument("--smoke", action="store_true", help="a tiny fp32 model on the CPU under TRITON_INTERPRET=1: "
                    "runs every part, row builder and writer; times nothing meaningful")
+    p.add_argument("--append", action="store_true", help="keep the rows of the parts not run from the --out file")
     args = p.parse_args(argv)
     bad = [x for x in args.only.split(",") if x and x not in PARTS]
     if bad:

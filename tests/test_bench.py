@@ -148,3 +148,16 @@ def test_smoke_never_writes_under_results():
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "results/" in r.stderr
     assert not os.path.exists(os.path.join(ROOT, "results", "e2e_smoke.json"))
+
+
+def test_e2e_append_replaces_only_the_parts_it_runs(tmp_path):
+    # fp8 rows measured by one command, prefill by another: --append keeps the first's rows and says
+    # which command measured which part; running fp8 again replaces its rows instead of adding more.
+    first, _ = smoke(tmp_path, "bench_e2e.py", "--only", "fp8")
+    second, md = smoke(tmp_path, "bench_e2e.py", "--only", "prefill", "--append")
+    assert [r["phase"] for r in second["rows"]] == [r["phase"] for r in first["rows"]] + ["prefill"]
+    assert second["rows"][0] == first["rows"][0]
+    assert "--append" not in second["commands"]["fp8"] and "--append" in second["commands"]["prefill"]
+    assert "Rows by part: " in md
+    third, _ = smoke(tmp_path, "bench_e2e.py", "--only", "fp8", "--append")
+    assert sorted(r["phase"] for r in third["rows"]) == sorted(r["phase"] for r in second["rows"])
