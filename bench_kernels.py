@@ -15,9 +15,8 @@ The protocol (BENCH.md), step by step for every op:
     under do_bench a microsecond kernel mostly measures its host launch: one graph calls the op on
     n rotating copies of its weights / KV cache, n chosen so that the *sparse* bytes read between two
     uses of the same copy are at least 2x the L2 (nothing stays cached). Both times are stored.
- 3) The dense side at its best: one cuBLAS GEMM over the fused gate+up weight [2I, D] (and the same
-    followed by SwiGLU, reported too), one fused QKV GEMM for the attention projections, SDPA with its
-    default backend for attention (flash reported too). Sparse times include everything the sparse
+ 3) The dense side at its best: one cuBLAS GEMM over the fused gate+up weight [2I, D] (and with
+    SwiGLU), one fused QKV GEMM, SDPA with its default backend for attention (flash reported too). Sparse times include everything the sparse
     path needs: the layout (mask reordering) and the zeroing of pruned outputs.
  4) The sparse kernel with every group on: the ratio to dense shows kernel quality, the ratio to its
     own sparse runs shows how well skipping turns into time. (bench_e2e.py imports the helpers below.)

@@ -13,6 +13,9 @@ Rows:
                wide.load_dialled, offsets cached in the checkpoint's dial.json
   layerskip    stage 1 and stage 2 of every layer-skip target (train.py --method layerskip)
   static, teal the training-free baselines, calibrated here on training text (baselines.py)
+  shared       batch-shared FFN routing at serving time (BatchShared): WIDE stage 2 at 0.5 (and the
+               attention-leaning 75/25 routers if trained) with B held-out windows decoding side by side
+               and a channel group run for the whole batch iff at least k of their tokens want it
   fp8          dense and WIDE (stage 2 at 0.5) with fp8 weights: the prunable linears (q, k, v, o, gate, up,
                down) rounded to e4m3 with one scale per output channel (kernels.quantize_fp8), as
                engine.Engine(weights="fp8") serves them; next to the same models in their own dtype
@@ -149,6 +152,53 @@ def fp8_rows(args, x, y, dense_ppl):
     return rows
 
 
+class BatchShared(torch.nn.Module):
+    """An FFN router shared by a decode batch. B sequences decode side by side (here B held-out windows,
+    one position at a time) and a channel group runs for all B tokens of a position iff at least k of
+    their routers want it. k = 1 is the union: no token loses a group it wanted, some run groups they
+    would skip, and the batch reads every group any token wants (nearly all of them, results/mask_union.md).
+    Larger k lets the batch skip the groups few tokens want: fewer weight bytes per decode step, at
+    the quality cost eval.py measures."""
+
+    def __init__(self, router, batch, k):
+        super().__init__()
+        self.router, self.batch, self.k = router, batch, k
+
+    def forward(self, h):
+        keep = self.router(h)  # [B_all, T, G]: consecutive rows of B_all form the decode batches
+        return torch.cat([(c.sum(0, keepdim=True) >= self.k).to(c.dtype).expand_as(c) for c in keep.split(self.batch)])
+
+
+def shared_rows(args, x, y):
+    """Per-token routing against batch-shared FFN routing (BatchShared) for each batch size and k."""
+    rows = []
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))  # batches of unrelated windows
+    x, y = x[perm], y[perm]
+    for path in (args.dial_from, os.path.join(args.out_dir, "wide-a0.75-f0.25-stage2")):
+        if not os.path.isfile(os.path.join(path, "wide.json")):
+            continue
+        model, _ = wide.load_wide(path, device=args.device)
+        own, rates = score(model, x, y, args)
+        base = dict(checkpoint=path, per_token_ppl=round(own, 3), per_token_ffn_skip=round(mean(rates["ffn"]), 4))
+        routers = [layer.ffn_router for layer in model.layers]
+        for B in args.shared_batch:
+            for k in sorted({1, 2, B // 4, B // 2} - {0}):
+                for layer, r in zip(model.layers, routers):
+                    layer.ffn_router = BatchShared(r, B, k)
+                ppl, rates = score(model, x, y, argparse.Namespace(**dict(vars(args), batch_size=args.batch_size // B * B or B)))
+                rows.append(dict(base, batch=B, k=k, val_ppl=round(ppl, 3), vs_per_token=round(ppl / own, 4),
+                                 ffn_live_in_batch=round(1 - mean(rates["ffn"]), 4)))
+                print(f"{path} batch-shared FFN routing, batch {B}, k {k}: ppl {ppl:.2f} ({own:.2f} per token), "
+                      f"FFN groups run {rows[-1]['ffn_live_in_batch']:.1%}", flush=True)
+        for layer, r in zip(model.layers, routers):
+            layer.ffn_router = r
+    return rows
+
+
+def mean(v):
+    return sum(v) / len(v)
+
+
 def base_model(args):
     return Transformer.from_pretrained(os.path.join(args.out_dir, "base"), device=args.device)
 
@@ -241,6 +291,8 @@ def main(argv=None):
     p.add_argument("--dial", type=float, nargs="*", default=[0.25, 0.4, 0.6, 0.75], help="sparsities to dial it to")
     p.add_argument("--no-plot", action="store_true", help="skip results/quality.png")
     p.add_argument("--no-baselines", action="store_true", help="router rows only (no static width, TEAL, matching)")
+    p.add_argument("--shared-batch", type=int, nargs="*", default=[8, 16], help="decode batch sizes for the "
+                   "batch-shared FFN routing rows (none: no such rows)")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
     args.device = train.pick_device(args.device)
@@ -281,6 +333,7 @@ def main(argv=None):
                for w in rows if not args.no_baselines and (w["method"] == "wide dial" or (w["method"] == "wide" and w["stage"] == 2))]
 
     fp8 = fp8_rows(args, x, y, dense_ppl)
+    batch_shared = shared_rows(args, x, y)
 
     os.makedirs(args.results, exist_ok=True)
     meta = dict(date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
@@ -289,8 +342,8 @@ def main(argv=None):
     extra_static_teal = sorted(cache.values(), key=lambda r: (r["method"], r["target_sparsity"]))
     with open(os.path.join(args.results, "quality.json"), "w") as f:
         json.dump(dict(meta, dense_val_ppl=round(dense_ppl, 3), rows=rows, matched_flops=matched,
-                       baseline_evaluations=extra_static_teal, fp8=fp8), f, indent=2)
-    md = markdown(rows, matched, dense_ppl, meta, fp8)
+                       baseline_evaluations=extra_static_teal, fp8=fp8, batch_shared=batch_shared), f, indent=2)
+    md = markdown(rows, matched, dense_ppl, meta, fp8, batch_shared)
     with open(os.path.join(args.results, "quality.md"), "w") as f:
         f.write(md)
     print(md)
@@ -304,7 +357,7 @@ def target_label(r):
     return f"{r['target_sparsity']:g}"
 
 
-def markdown(rows, matched, dense_ppl, meta, fp8=()):
+def markdown(rows, matched, dense_ppl, meta, fp8=(), batch_shared=()):
     out = [f"# Held-out perplexity ({', '.join(p.split('/')[1][:-3] for p in meta['held_out_plays'])}; "
            f"{meta['held_out_tokens']} tokens, windows of {meta['block_size']})", "",
            f"`{meta['command']}` on {meta['device']}, torch {meta['torch']}, {meta['date']}. Sparsities and FLOPs "
@@ -354,6 +407,16 @@ def markdown(rows, matched, dense_ppl, meta, fp8=()):
             name = "dense" if r["method"] == "dense" else f"WIDE stage 2 ({r['checkpoint']})"
             out.append(f"| {name} | {r['dtype']} | {r['val_ppl']:.2f} | {r['fp8_val_ppl']:.2f} | "
                        f"{r['fp8_vs_model']:.4f} | {r['realized']:.1%} / {r['fp8_realized']:.1%} |")
+    if batch_shared:
+        out += ["", "Batch-shared FFN routing (serving time, no retraining): B held-out windows (shuffled) decode "
+                "side by side and an FFN channel group runs for the whole batch iff at least k of the B tokens' "
+                "routers want it. 'groups run' is the share of FFN weight bytes a decode step reads; per-token "
+                "routing at this batch reads the union (k = 1).", "",
+                "| routers | per-token ppl (FFN skip) | batch B | k | groups run | val ppl | vs per-token |",
+                "|---|---|---|---|---|---|---|"]
+        for r in batch_shared:
+            out.append(f"| {r['checkpoint']} | {r['per_token_ppl']:.2f} ({r['per_token_ffn_skip']:.1%}) | {r['batch']} "
+                       f"| {r['k']} | {r['ffn_live_in_batch']:.1%} | {r['val_ppl']:.2f} | {r['vs_per_token']:.3f}x |")
     return "\n".join(out) + "\n"
 
 

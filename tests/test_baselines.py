@@ -242,3 +242,21 @@ def test_eval_reads_runs_trained_with_separate_targets(tmp_path):
                 device="cpu", torch="x", date="today")
     md = ev.markdown(rows, [], 40.0, meta)
     assert "| a0.6/f0.4 |" in md
+
+
+def test_batch_shared_ffn_routing_runs_a_group_iff_k_of_the_batch_want_it():
+    # Serving-time routing shared by a decode batch (eval.BatchShared): rows 0-3 are one batch, rows 4-5
+    # the next (a smaller last batch). k = 1 is the union of the batch's masks, k = batch the intersection.
+    keep = torch.tensor([[[1, 0, 0, 1]], [[1, 1, 0, 0]], [[1, 0, 0, 0]], [[0, 0, 0, 1]],
+                         [[0, 1, 1, 0]], [[0, 1, 0, 0]]], dtype=torch.float32)  # [6, T=1, G=4]
+    import eval as ev
+    router = lambda h: keep
+
+    def shared(k):
+        return ev.BatchShared(router, 4, k)(None)
+
+    assert torch.equal(shared(1)[:4], torch.tensor([1., 1, 0, 1]).expand(4, 1, 4))
+    assert torch.equal(shared(2)[:4], torch.tensor([1., 0, 0, 1]).expand(4, 1, 4))
+    assert torch.equal(shared(4)[:4], torch.tensor([0., 0, 0, 0]).expand(4, 1, 4))
+    assert torch.equal(shared(2)[4:], torch.tensor([0., 1, 0, 0]).expand(2, 1, 4))
+    assert shared(1).shape == keep.shape and shared(1).dtype == keep.dtype
