@@ -16,8 +16,10 @@ import torch
 
 import engine
 import kernels
+import mask_union
 import serve
 from generate import generate
+from conftest import assert_one_line_error, run_script
 from test_e2e import SKIPPING, wide_model
 
 
@@ -89,17 +91,17 @@ def test_oversized_request_is_rejected_while_the_others_run():
 def test_union_of_identical_masks_is_that_mask_and_independent_masks_meet_the_bound():
     gen = torch.Generator().manual_seed(0)
     same = torch.rand(1, 16, generator=gen).expand(1000, 16) < 0.5  # every token the same mask
-    live, bound = serve.union_live(same, 8, 200, gen)
+    live, bound = mask_union.union_live(same, 8, 200, gen)
     assert live == pytest.approx(same[0].float().mean().item())
     indep = torch.rand(20000, 16, generator=gen) < 0.5               # skip rate 0.5, independent
-    live, bound = serve.union_live(indep, 4, 2000, gen)
+    live, bound = mask_union.union_live(indep, 4, 2000, gen)
     assert live == pytest.approx(1 - 0.5 ** 4, abs=0.02) and bound == pytest.approx(1 - 0.5 ** 4, abs=0.02)
 
 
 def test_byte_arithmetic_attention_leaning_wins_at_large_batch_and_long_context():
     from model import ModelConfig
     cfg = ModelConfig.from_name("llama-3.1-8b")
-    lim = lambda B, C, a, f: serve.step_bytes(cfg, B, C, a, f)["byte_limit"]
+    lim = lambda B, C, a, f: mask_union.step_bytes(cfg, B, C, a, f)["byte_limit"]
     assert lim(1, 1024, 0.5, 0.5) > lim(1, 1024, 0.75, 0.25)      # one token: FFN weights dominate
     assert lim(32, 8192, 0.75, 0.25) > lim(32, 8192, 0.5, 0.5)    # the KV cache dominates
     assert lim(32, 8192, 0.75, 0.25) == pytest.approx(2.0, abs=0.1)
@@ -108,8 +110,13 @@ def test_byte_arithmetic_attention_leaning_wins_at_large_batch_and_long_context(
 @pytest.mark.skipif(not kernels.INTERPRET, reason="--smoke runs the kernels in the Triton interpreter (the CPU test "
                     "setup); on a GPU `python serve.py bench` is the real run")
 def test_serving_bench_smoke_writes_its_tables(tmp_path):
-    rec = serve.main(["bench", "--smoke", "--out", str(tmp_path / "serving")])
+    rec = serve.main(["bench", "--smoke", "--output", "3,3", "--out", str(tmp_path / "serving")])
     assert [r["profile"] for r in rec["rows"]] == ["dense", "dense", "WIDE 50/50", "WIDE 50/50"]
-    assert all(r["output_tokens"] > 0 and r["rejected"] == 0 for r in rec["rows"])
+    assert all(r["output_tokens"] == 3 * r["requests"] and r["rejected"] == 0 for r in rec["rows"])  # --output
     assert json.load(open(tmp_path / "serving.json"))["rows"] and os.path.isfile(tmp_path / "serving.png")
     assert "TPOT" in open(tmp_path / "serving.md").read() and math.isinf(rec["rows"][0]["rate"])
+
+
+def test_serving_bench_refuses_a_bad_token_range_in_one_line():
+    r = run_script("serve.py", "bench", "--smoke", "--prompt", "5,2")
+    assert_one_line_error(r, "--prompt", "LO,HI")
