@@ -376,14 +376,18 @@ def gemm_k_ref(a, w, mask, group_size, residual=None, w_scale=None):
 
 @triton.jit
 def _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
-                 GS: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                 GS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     # One BK slice of group g: a-rows of tokens that do not run g are predicated off
     # (intra-block skip; those slots are never read, so garbage there is harmless).
+    # BM == 1 (one token, config FMA): fp32 multiply-adds instead of a 16-row tensor-core tile, which
+    # would convert every weight (fp8 codes too) for 15 rows of padding.
     k0 = g * GS + step * BK
     kk = tl.arange(0, BK)
     on = tl.load(mask + rows * G + g, mask=rok, other=0) > 0
     at = tl.load(a + rows[:, None].to(tl.int64) * sam + k0 + kk[None, :], mask=on[:, None], other=0.0)
     wt = tl.load(w + cols[:, None].to(tl.int64) * swn + k0 + kk[None, :], mask=cok[:, None], other=0.0)
+    if BM == 1:
+        return acc + tl.sum(wt.to(tl.float32) * at.to(tl.float32), 1)[None, :]
     return tl.dot(at, tl.trans(wt.to(at.dtype)), acc, input_precision="ieee" if IEEE else "tf32")
 
 
@@ -428,7 +432,7 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, 
         per = tl.cdiv(G, SPLIT)
         for it in range(split * per * STEPS, tl.minimum(split * per + per, G) * STEPS):
             acc = _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G,
-                               sam, swn, GS, BK, IEEE)
+                               sam, swn, GS, BM, BK, IEEE)
     else:
         # Compact the live groups once into this program's scratch row; dead groups are never
         # visited (block skip), so their weight columns are never read.
@@ -438,7 +442,7 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, 
         per = tl.cdiv(n_live, SPLIT)
         for it in range(split * per * STEPS, tl.minimum(split * per + per, n_live) * STEPS):
             acc = _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
-                               it % STEPS, G, sam, swn, GS, BK, IEEE)
+                               it % STEPS, G, sam, swn, GS, BM, BK, IEEE)
     ok = rok[:, None] & cok[None, :]
     offs = rows[:, None] * som + cols[None, :]
     if SPLIT > 1:
@@ -531,11 +535,12 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     small = ("gemm_k_small_long_k" if K >= LONG_K else "gemm_k_small") + ("_fp8" if w_scale is not None else "")
     cfg = _config(small if M <= SMALL_M else "gemm_k", config)
     split = cfg.get("SPLIT", 1)
+    BM = 1 if M == 1 and cfg.get("FMA") else cfg["BM"]  # FMA: one token as a one-row tile, no tl.dot
     out = _empty((M, N), a.dtype, a.device)
     # With SPLIT > 1 the programs write fp32 partials over the live groups; the last one reduces them.
     part = _empty((split, M, N), torch.float32, a.device) if split > 1 else out
     m = _flat_mask(mask_or_layout).view(torch.uint8)
-    grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]), split)
+    grid = (triton.cdiv(M, BM) * triton.cdiv(N, cfg["BN"]), split)
     if tickets is None:
         tickets = torch.zeros(grid[0], dtype=torch.int32, device=a.device)
     assert tickets.numel() >= grid[0], "one ticket per output tile"
@@ -545,7 +550,7 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     live_list = _empty((grid[0] * split, GP), torch.int32, a.device)
     ws = w_scale.contiguous() if w_scale is not None else out  # (a placeholder pointer without scales)
     _gemm_k_kernel[grid](a, w, ws, out, residual if residual is not None else out, part, tickets, m, live_list,
-                         M, N, K, G, a.stride(0), w.stride(0), N, GS=group_size, GP=GP, BM=cfg["BM"],
+                         M, N, K, G, a.stride(0), w.stride(0), N, GS=group_size, GP=GP, BM=BM,
                          BN=cfg["BN"], BK=_pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, SPLIT=split,
                          HAS_RES=residual is not None, FP8=w_scale is not None, IEEE=ieee, **_launch(cfg))
     return out

@@ -43,7 +43,7 @@ class LaunchRecorder:
         import kernels_attention
         import kernels_layout
         import kernels_step
-        self.grids = {}
+        self.grids, self.constants = {}, {}  # name -> grids; name -> the launches' int/bool keyword args
         for mod in (kernels, kernels_layout, kernels_attention, kernels_step, engine):
             for name, fn in list(vars(mod).items()):
                 if name.endswith("_kernel") and hasattr(fn, "__getitem__"):
@@ -58,6 +58,8 @@ class LaunchRecorder:
 
                 def run(*args, **kwargs):
                     recorder.grids.setdefault(name, []).append(tuple(grid))
+                    recorder.constants.setdefault(name, []).append(
+                        {k: v for k, v in kwargs.items() if isinstance(v, (bool, int))})
                     return launch(*args, **kwargs)
                 return run
         return Spy()
@@ -67,6 +69,7 @@ class LaunchRecorder:
 
     def clear(self):
         self.grids.clear()
+        self.constants.clear()
 
 
 @pytest.fixture

@@ -105,7 +105,8 @@ def test_fp8_gemm_mn_with_many_tokens_dequantizes_to_the_same_result():
 @pytest.mark.parametrize("M", [1, 4, 21])
 @pytest.mark.parametrize("p_on", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("split", [1, 2], ids=["plain", "split"])
-def test_fp8_gemm_k_matches_the_dequantized_twin_with_the_residual(launches, M, p_on, split):
+@pytest.mark.parametrize("fma", [False, True], ids=["dot", "fma"])
+def test_fp8_gemm_k_matches_the_dequantized_twin_with_the_residual(launches, M, p_on, split, fma):
     gen = torch.Generator().manual_seed(M + split)
     G, gs, N = 4, 16, 40
     a = torch.randn(M, G * gs, generator=gen).to(DEV)
@@ -113,12 +114,14 @@ def test_fp8_gemm_k_matches_the_dequantized_twin_with_the_residual(launches, M, 
     res = torch.randn(M, N, generator=gen).to(DEV)
     mask = mask_of(M, G, p_on, gen)
     a_garbage = torch.where(mask.repeat_interleave(gs, 1), a, torch.full_like(a, float("nan")))
-    cfg = {"SPLIT": split} if M <= kernels.SMALL_M else None
+    cfg = {"SPLIT": split, "FMA": fma} if M <= kernels.SMALL_M else None  # FMA: one token, a one-row tile
     tickets = torch.zeros(64, dtype=torch.int32, device=DEV)
     out = kernels.gemm_k(a_garbage, w, mask, gs, residual=res, tickets=tickets, w_scale=s, config=cfg)
     assert_close(out, kernels.gemm_k_ref(a, w, mask, gs, residual=res, w_scale=s))
     assert torch.count_nonzero(tickets) == 0, "the split leaves its tickets at zero"
     assert launches.count("gemm_k_kernel") == 1
+    (consts,) = launches.constants["gemm_k_kernel"]  # one token with FMA: a one-row tile, no tl.dot
+    assert consts["BM"] == (1 if fma and M == 1 else kernels.CONFIGS["gemm_k_small_fp8" if M <= 16 else "gemm_k"]["BM"])
 
 
 # ---------------------------------------------------------------------------------- the engine
