@@ -218,48 +218,64 @@ def swiglu(y):
     return F.silu(y[:, :half]) * y[:, half:]
 
 
-def case_gate_up(s, T):
+def fp8_copies(ws, fp8):
+    # fp8 (the tuning sweep's fp8 keys): each copy as (e4m3 codes, per-row scales); else (w, None).
+    return [kernels.quantize_fp8(w) if fp8 else (w, None) for w in ws]
+
+
+def case_gate_up(s, T, fp8=False):
     e, I, D, gs = s.dtype.itemsize, s.FFN, s.D, s.ffn_gs
     nbytes = e * (2 * I * D + T * D + T * I)
-    copies = rotation(s, T, nbytes, 2 * I * D * e / nbytes)
+    copies = rotation(s, T, nbytes / (2 if fp8 else 1), 2 * I * D * e / nbytes)
     wgu = weights(s, 2 * I, D, copies)  # the dense side's fused [gate; up] weight; WIDE reads its halves
+    wq = fp8_copies(wgu, fp8)
     x = torch.randn(T, D, device=s.device, dtype=s.dtype)
 
     def sparse(mask, i, config=None):
         m, cfg = with_layout(mask, config, T)
-        return kernels.gemm_mn(x, wgu[i][:I], m, gs, w_up=wgu[i][I:], config=cfg)
+        (w, sc) = wq[i]
+        return kernels.gemm_mn(x, w[:I], m, gs, w_up=w[I:], config=cfg, w_scale=None if sc is None else sc[:I],
+                               w_up_scale=None if sc is None else sc[I:])
+
+    def reference(mask):  # fp8: the twin dequantizes (to x's fp32)
+        w, sc = wq[0]
+        if fp8:
+            return kernels.gemm_mn_ref(x.float(), w[:I], mask, gs, w[I:], w_scale=sc[:I], w_up_scale=sc[I:])
+        return kernels.gemm_mn_ref(x.float(), w[:I].float(), mask, gs, w[I:].float())
 
     return Case("gate+up (gemm_mn, fused silu*up)", T, 1, 0, (T, I // gs), 2 * T * 2 * I * D, nbytes,
                 2 * I * D * e / nbytes, copies,
                 dense={"dense": [lambda i=i: F.linear(x, wgu[i]) for i in range(copies)],
                        "dense_swiglu": [lambda i=i: swiglu(F.linear(x, wgu[i])) for i in range(copies)]},
-                sparse=sparse, reference=lambda mask: kernels.gemm_mn_ref(
-                    x.float(), wgu[0][:I].float(), mask, gs, wgu[0][I:].float()),
+                sparse=sparse, reference=reference,
                 keep=lambda mask: mask.repeat_interleave(gs, 1))
 
 
-def case_q(s, T, with_kv):
+def case_q(s, T, with_kv, fp8=False):
     # Q alone: the kernel against cuBLAS. With K/V: the attention projections as the engine runs them,
     # Q through gemm_mn (pruned) and K/V one dense GEMM (never pruned: the cache stays complete), against
     # one dense GEMM over the fused [Q; K; V] weight.
     e, D, NQ, gs = s.dtype.itemsize, s.D, s.H * s.HD, s.attn_gs
     N = NQ + (2 * s.HKV * s.HD if with_kv else 0)
     nbytes = e * (N * D + T * D + T * N)
-    copies = rotation(s, T, nbytes, NQ * D * e / nbytes)
+    copies = rotation(s, T, nbytes / (2 if fp8 else 1), NQ * D * e / nbytes)
     w = weights(s, N, D, copies)
+    wq = fp8_copies(w, fp8)
     x = torch.randn(T, D, device=s.device, dtype=s.dtype)
+    assert not fp8 or (with_kv and T <= kernels.SMALL_M), "fp8: the decode stream (Q with K/V) only"
 
     def sparse(mask, i, config=None):
         m, cfg = with_layout(mask, config, T)
         if with_kv and T <= kernels.SMALL_M:  # decode: one stream, K/V as always-live groups (engine.py)
-            qkv = kernels.gemm_mn(x, w[i], m, gs, config=cfg, dense_tail=N - NQ)
+            qkv = kernels.gemm_mn(x, wq[i][0], m, gs, config=cfg, dense_tail=N - NQ, w_scale=wq[i][1])
             return qkv[:, :NQ], qkv[:, NQ:]
         q = kernels.gemm_mn(x, w[i][:NQ], m, gs, config=cfg)
         return (q, F.linear(x, w[i][NQ:])) if with_kv else q
 
     def reference(mask):
-        q = kernels.gemm_mn_ref(x.float(), w[0][:NQ].float(), mask, gs)
-        return (q, F.linear(x.float(), w[0][NQ:].float())) if with_kv else q
+        w0 = kernels.dequantize_fp8(*wq[0]) if fp8 else w[0].float()
+        q = kernels.gemm_mn_ref(x.float(), w0[:NQ], mask, gs)
+        return (q, F.linear(x.float(), w0[NQ:])) if with_kv else q
 
     keep = lambda mask: (mask.repeat_interleave(gs, 1), None) if with_kv else mask.repeat_interleave(gs, 1)
     name = f"Q/K/V proj (Q pruned, {gs}-ch groups; K/V dense)" if with_kv else f"q_proj (gemm_mn, {gs}-ch groups)"
@@ -269,20 +285,22 @@ def case_q(s, T, with_kv):
                 reference=reference, keep=keep)
 
 
-def case_k(s, T, K, gs, name, method="tile"):
+def case_k(s, T, K, gs, name, method="tile", fp8=False):
     e, D = s.dtype.itemsize, s.D
     nbytes = e * (D * K + T * D + T * K)
-    copies = rotation(s, T, nbytes, D * K * e / nbytes)
+    copies = rotation(s, T, nbytes / (2 if fp8 else 1), D * K * e / nbytes)
     w = weights(s, D, K, copies)
+    wq = fp8_copies(w, fp8)
     a = torch.randn(T, K, device=s.device, dtype=s.dtype)
 
     def sparse(mask, i, config=None):
         m, cfg = with_layout(mask, config, T) if method == "atomic" else (mask, config)
-        return kernels.gemm_k(a, w[i], m, gs, method=method, config=cfg)
+        return kernels.gemm_k(a, wq[i][0], m, gs, method=method, config=cfg, w_scale=wq[i][1])
 
     return Case(f"{name} (gemm_k, {gs}-ch groups, {method})", T, 1, 0, (T, K // gs), 2 * T * D * K, nbytes,
                 D * K * e / nbytes, copies, dense={"dense": [lambda i=i: F.linear(a, w[i]) for i in range(copies)]},
-                sparse=sparse, reference=lambda mask: kernels.gemm_k_ref(a.float(), w[0].float(), mask, gs),
+                sparse=sparse, reference=lambda mask: kernels.gemm_k_ref(
+                    a.float(), kernels.dequantize_fp8(*wq[0]) if fp8 else w[0].float(), mask, gs),
                 keep=lambda mask: None)
 
 
@@ -508,73 +526,6 @@ def run_kernels(s, args, argv):
 # CONFIGS key -> (case, block-size variants). Each variant goes to the op as config= (and block_m to the
 # layout); kernels.CONFIGS itself is never changed, and its current entry is always timed first. Copy a
 # winner into kernels.py by hand.
-def tune_table(s):
-    M, FFN = s.prefill_m, s.FFN
-    v = lambda warps, stages, **sizes: dict(sizes, num_warps=warps, num_stages=stages)
-    return {
-        "gemm_mn_fused": (lambda: case_gate_up(s, M), [v(8, 2, block_m=128, BN=128, BK=128),
-                                                       v(8, 4, block_m=256, BN=64, BK=64)]),
-        "gemv_mn_1_fused": (lambda: case_gate_up(s, 1), [v(4, 1, BN=4, BK=1024, programs_per_sm=7),
-                                                         v(4, 1, BN=2, BK=2048, programs_per_sm=8),
-                                                         v(4, 1, BN=8, BK=1024, programs_per_sm=4)]),
-        "gemm_k": (lambda: case_k(s, M, FFN, s.ffn_gs, "down"), [v(8, 4, BM=128, BN=128, BK=64)]),
-        "gemv_mn_1": (lambda: case_q(s, 1, True), [v(4, 1, BN=4, BK=1024, programs_per_sm=4),
-                                                   v(4, 1, BN=8, BK=1024, programs_per_sm=2)]),
-        "gemm_k_small_long_k": (lambda: case_k(s, 1, FFN, s.ffn_gs, "down"), [
-            v(4, 6, BM=16, BN=64, BK=128, SPLIT=8), v(4, 4, BM=16, BN=128, BK=128, SPLIT=8),
-            v(4, 6, BM=16, BN=64, BK=64, SPLIT=8)]),
-        "gemm_k_small": (lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj"), [
-            v(4, 6, BM=16, BN=32, BK=128), v(4, 6, BM=16, BN=32, BK=128, SPLIT=2)]),
-        "attn_prefill": (lambda: case_prefill_attention(s), [v(8, 2, BM=128, BN=128)]),
-        "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, SPLIT=1024), v(4, 4, BN=64, SPLIT=2048)]),
-    }
-
-
-def run_tune(s, args, argv):
-    """Every variant checked (all groups on and 50% skipped) and timed as the kernel table times it."""
-    results = {}
-    for key, (factory, variants) in tune_table(s).items():
-        if args.only and args.only not in key:
-            continue
-        case = factory()
-        half, full = rand_mask(s, case.mask_shape, 0.5), rand_mask(s, case.mask_shape, 0.0)
-        time_it = ((lambda mask, cfg: graph_ms(s, [functools.partial(case.sparse, mask, i, cfg)
-                                                   for i in range(case.copies)]))
-                   if case.decode else (lambda mask, cfg: bench_ms(s, functools.partial(case.sparse, mask, 0, cfg))))
-        dense_fns = case.dense[case.baseline[0]]
-        dense_ms = graph_ms(s, dense_fns) if case.decode else bench_ms(s, dense_fns[0])
-        print(f"{key} ({case.op}, {case.tokens} tokens): dense {dense_ms * 1e3:.1f} us, "
-              f"current {kernels.CONFIGS[key.split()[0]]}", flush=True)
-        results[key] = dict(op=case.op, tokens=case.tokens, timing="cuda_graph" if case.decode else "do_bench",
-                            dense_ms=dense_ms, current=kernels.CONFIGS[key.split()[0]], variants=[])
-        current = kernels.CONFIGS[key.split()[0]]
-        todo = [dict(current)] + [v for v in variants if v != current]
-        for v in todo[:2] if s.smoke else todo:  # --smoke: the sweep's code path, not its width
-            try:
-                checks = [check(case, full, v), check(case, half, v)]
-                ms, all_ms = time_it(half, v), time_it(full, v)
-                results[key]["variants"].append(dict(config=v, ms=ms, speedup=dense_ms / ms, all_active_ms=all_ms,
-                                                     rel_err=max(c["rel_err"] for c in checks)))
-                print(f"  {v}: {ms * 1e3:.1f} us ({dense_ms / ms:.2f}x), all groups on {all_ms * 1e3:.1f} us",
-                      flush=True)
-            except Exception as e:  # e.g. out of shared memory: the next variant may fit
-                results[key]["variants"].append(dict(config=v, failed=f"{type(e).__name__}: {str(e)[:200]}"))
-                print(f"  {v}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        del case
-    m = meta(s, "bench_kernels.py", argv, l2_MB=s.l2_bytes / 2 ** 20)
-    lines = [f"# Block-size sweep on {m['gpu']}", "", f"torch {m['torch']}, triton {m['triton']}, {m['date']}, "
-             f"`{m['command']}`. 50% of groups skipped; decode-sized ops timed on CUDA-graph replay.", "",
-             "| CONFIGS key | op | tokens | config | us | speedup | all groups on, us |", "|---|---|---|---|---|---|---|"]
-    for key, r in results.items():
-        for v in r["variants"]:
-            cells = ("failed", "", "") if "failed" in v else (f"{v['ms'] * 1e3:.1f}", f"{v['speedup']:.2f}x",
-                                                               f"{v['all_active_ms'] * 1e3:.1f}")
-            lines.append(f"| {key} | {r['op']} | {r['tokens']} | `{v['config']}` | " + " | ".join(cells) + " |")
-    save(args.out + "_tune", dict(meta=m, results=results), "\n".join(lines) + "\n")
-    print("\n".join(lines) + f"\n\nwritten: {args.out}_tune.json, {args.out}_tune.md")
-    return results
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -590,7 +541,10 @@ def main(argv=None):
     s = smoke_setup() if args.smoke else gpu_setup()
     torch.manual_seed(0)
     try:
-        return (run_tune if args.what == "tune" else run_kernels)(s, args, argv)
+        if args.what == "tune":
+            from bench_tune import run_tune  # (it imports this file's cases)
+            return run_tune(s, args, argv)
+        return run_kernels(s, args, argv)
     except CheckFailed as e:
         sys.exit(f"error: correctness check failed, nothing timed past it: {e}")
 

@@ -107,6 +107,14 @@ def test_tune_times_each_config_passed_to_the_op(tmp_path):
     assert "| attn_decode |" in md
 
 
+def test_tune_sweeps_the_fp8_keys_on_fp8_weights_with_an_fma_variant(tmp_path):
+    data, _ = smoke(tmp_path, "bench_kernels.py", "tune", "--only", "fp8")
+    assert set(data["results"]) == {"gemv_mn_1_fused_fp8", "gemv_mn_1_fp8", "gemm_k_small_long_k_fp8", "gemm_k_small_fp8"}
+    for key, r in data["results"].items():
+        assert all("failed" not in v and v["rel_err"] <= 1e-2 for v in r["variants"]), key  # checked on fp8 codes
+    assert any(v["config"].get("FMA") for v in data["results"]["gemm_k_small_fp8"]["variants"])
+
+
 def test_e2e_rows_carry_dense_bandwidth_and_the_byte_limit(e2e_run):
     data, md = e2e_run
     assert_meta(data, "bench_e2e.py")

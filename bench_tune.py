@@ -1,0 +1,97 @@
+"""
+The block-size sweep behind kernels.CONFIGS: every variant of a kernel's sizes checked (all groups on and
+50% skipped) and timed as bench_kernels.py times that op (decode-sized ops on CUDA-graph replay).
+
+    python bench_kernels.py tune              # every CONFIGS key below -> results/kernels_h200_tune.{json,md}
+    python bench_kernels.py tune --only fp8   # only the keys whose name contains "fp8"
+
+The variants are passed to the ops as config= (CONFIGS itself is never rewritten); a key's first row is
+its current setting. fp8 keys time the same op on e4m3 weights (kernels.quantize_fp8); their dense
+column is still the bf16 cuBLAS op, so their speedup is against bf16.
+"""
+import functools
+
+import kernels
+from bench_kernels import (bench_ms, case_decode_attention, case_gate_up, case_k, case_prefill_attention, case_q,
+                           check, graph_ms, meta, rand_mask, save)
+
+
+def tune_table(s):
+    M, FFN = s.prefill_m, s.FFN
+    v = lambda warps, stages, **sizes: dict(sizes, num_warps=warps, num_stages=stages)
+    # gemm_k at one token as a one-row FMA tile (config FMA; BM then applies from 2 tokens on)
+    fma = [v(4, 3, BM=16, BN=16, BK=128, SPLIT=4, FMA=True), v(4, 3, BM=16, BN=8, BK=128, SPLIT=8, FMA=True),
+           v(8, 3, BM=16, BN=32, BK=128, SPLIT=4, FMA=True)]
+    return {
+        "gemm_mn_fused": (lambda: case_gate_up(s, M), [v(8, 2, block_m=128, BN=128, BK=128),
+                                                       v(8, 4, block_m=256, BN=64, BK=64)]),
+        "gemv_mn_1_fused": (lambda: case_gate_up(s, 1), [v(4, 1, BN=4, BK=1024, programs_per_sm=7),
+                                                         v(4, 1, BN=2, BK=2048, programs_per_sm=8),
+                                                         v(4, 1, BN=8, BK=1024, programs_per_sm=4)]),
+        "gemm_k": (lambda: case_k(s, M, FFN, s.ffn_gs, "down"), [v(8, 4, BM=128, BN=128, BK=64)]),
+        "gemv_mn_1": (lambda: case_q(s, 1, True), [v(4, 1, BN=4, BK=1024, programs_per_sm=4),
+                                                   v(4, 1, BN=8, BK=1024, programs_per_sm=2)]),
+        "gemm_k_small_long_k": (lambda: case_k(s, 1, FFN, s.ffn_gs, "down"), [
+            v(4, 6, BM=16, BN=64, BK=128, SPLIT=8), v(4, 4, BM=16, BN=128, BK=128, SPLIT=8),
+            v(4, 6, BM=16, BN=64, BK=64, SPLIT=8), *fma]),
+        "gemm_k_small": (lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj"), [
+            v(4, 6, BM=16, BN=32, BK=128), v(4, 6, BM=16, BN=32, BK=128, SPLIT=2), *fma]),
+        # fp8 codes: the one-token GEMVs want longer K slices; gemm_k's FMA rows skip the bf16 conversion
+        # a 16-row tl.dot makes of every code (kernels._gemm_k_step).
+        "gemv_mn_1_fused_fp8": (lambda: case_gate_up(s, 1, fp8=True), [
+            v(4, 1, BN=8, BK=1024, programs_per_sm=2), v(4, 1, BN=2, BK=4096, programs_per_sm=2),
+            v(4, 1, BN=4, BK=2048, programs_per_sm=4)]),
+        "gemv_mn_1_fp8": (lambda: case_q(s, 1, True, fp8=True), [
+            v(8, 1, BN=8, BK=2048, programs_per_sm=2), v(4, 1, BN=4, BK=1024, programs_per_sm=4)]),
+        "gemm_k_small_long_k_fp8": (lambda: case_k(s, 1, FFN, s.ffn_gs, "down", fp8=True), [
+            v(4, 6, BM=16, BN=64, BK=128, SPLIT=4), *fma]),
+        "gemm_k_small_fp8": (lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj", fp8=True), [
+            v(4, 6, BM=16, BN=32, BK=128, SPLIT=2), *fma]),
+        "attn_prefill": (lambda: case_prefill_attention(s), [v(8, 2, BM=128, BN=128)]),
+        "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, SPLIT=1024), v(4, 4, BN=64, SPLIT=2048)]),
+    }
+
+
+def run_tune(s, args, argv):
+    """Every variant checked (all groups on and 50% skipped) and timed as the kernel table times it."""
+    results = {}
+    for key, (factory, variants) in tune_table(s).items():
+        if args.only and args.only not in key:
+            continue
+        case = factory()
+        half, full = rand_mask(s, case.mask_shape, 0.5), rand_mask(s, case.mask_shape, 0.0)
+        time_it = ((lambda mask, cfg: graph_ms(s, [functools.partial(case.sparse, mask, i, cfg)
+                                                   for i in range(case.copies)]))
+                   if case.decode else (lambda mask, cfg: bench_ms(s, functools.partial(case.sparse, mask, 0, cfg))))
+        dense_fns = case.dense[case.baseline[0]]
+        dense_ms = graph_ms(s, dense_fns) if case.decode else bench_ms(s, dense_fns[0])
+        print(f"{key} ({case.op}, {case.tokens} tokens): dense {dense_ms * 1e3:.1f} us, "
+              f"current {kernels.CONFIGS[key.split()[0]]}", flush=True)
+        results[key] = dict(op=case.op, tokens=case.tokens, timing="cuda_graph" if case.decode else "do_bench",
+                            dense_ms=dense_ms, current=kernels.CONFIGS[key.split()[0]], variants=[])
+        current = kernels.CONFIGS[key.split()[0]]
+        todo = [dict(current)] + [v for v in variants if v != current]
+        for v in todo[:1] + todo[-1:] if s.smoke else todo:  # --smoke: the code path (first, last), not the width
+            try:
+                checks = [check(case, full, v), check(case, half, v)]
+                ms, all_ms = time_it(half, v), time_it(full, v)
+                results[key]["variants"].append(dict(config=v, ms=ms, speedup=dense_ms / ms, all_active_ms=all_ms,
+                                                     rel_err=max(c["rel_err"] for c in checks)))
+                print(f"  {v}: {ms * 1e3:.1f} us ({dense_ms / ms:.2f}x), all groups on {all_ms * 1e3:.1f} us",
+                      flush=True)
+            except Exception as e:  # e.g. out of shared memory: the next variant may fit
+                results[key]["variants"].append(dict(config=v, failed=f"{type(e).__name__}: {str(e)[:200]}"))
+                print(f"  {v}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        del case
+    m = meta(s, "bench_kernels.py", argv, l2_MB=s.l2_bytes / 2 ** 20)
+    lines = [f"# Block-size sweep on {m['gpu']}", "", f"torch {m['torch']}, triton {m['triton']}, {m['date']}, "
+             f"`{m['command']}`. 50% of groups skipped; decode-sized ops timed on CUDA-graph replay.", "",
+             "| CONFIGS key | op | tokens | config | us | speedup | all groups on, us |", "|---|---|---|---|---|---|---|"]
+    for key, r in results.items():
+        for v in r["variants"]:
+            cells = ("failed", "", "") if "failed" in v else (f"{v['ms'] * 1e3:.1f}", f"{v['speedup']:.2f}x",
+                                                               f"{v['all_active_ms'] * 1e3:.1f}")
+            lines.append(f"| {key} | {r['op']} | {r['tokens']} | `{v['config']}` | " + " | ".join(cells) + " |")
+    save(args.out + "_tune", dict(meta=m, results=results), "\n".join(lines) + "\n")
+    print("\n".join(lines) + f"\n\nwritten: {args.out}_tune.json, {args.out}_tune.md")
+    return results
