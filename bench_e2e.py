@@ -496,15 +496,20 @@ def run_e2e(run, args, argv):
                       f"{run.calibrate_tokens}-token prompt's tokens (2 passes)",
               timing="CUDA events; prefill: median of 5 forwards; decode: mean over N graph replays after "
                      f"{run.warmup} warm-up steps")
-    rows = record["rows"]
-    if args.append and os.path.exists(args.out + ".json"):  # keep the other parts' rows and their commands
+    rows, old = [], dict(rows=[], commands={}, command=None)  # this run's rows; --append: the file's
+    if args.append and os.path.exists(args.out + ".json"):
         with open(args.out + ".json") as f:
             old = json.load(f)
-        rows += [r for r in old["rows"] if part_of(r) not in parts]
-        record["commands"] = {p: c for p, c in old.get("commands", {}).items() if p not in parts}
-        record["commands"].update({p: old["command"] for p in {part_of(r) for r in rows}
-                                   if p not in record["commands"]})
-    record.setdefault("commands", {}).update({p: record["command"] for p in parts})
+
+    def publish():
+        # The file's rows of a part stay until this run has produced rows of that part (a part that fails
+        # or runs out of budget keeps its old rows); each part names the command that measured it.
+        new_parts = {part_of(r) for r in rows}
+        kept = [r for r in old["rows"] if part_of(r) not in new_parts]
+        record["rows"] = kept + rows
+        record["commands"] = {**{part_of(r): old.get("commands", {}).get(part_of(r), old["command"]) for r in kept},
+                              **{p: record["command"] for p in new_parts}}
+        save(args.out, record, markdown(record))
 
     def add(make, label):
         if time.time() - t_start > args.budget_s:
@@ -523,7 +528,7 @@ def run_e2e(run, args, argv):
             rows.append(dict(r, gpu=record["gpu"], torch=record["torch"], triton=record["triton"]))
             log("  " + fmt_row(rows[-1]))
         record["wall_s"] = round(time.time() - t_start)
-        save(args.out, record, markdown(record))
+        publish()
 
     if set(parts) - {"small"}:
         longest = max([c for _, c in run.decode + run.fp8_decode] + [run.prefill, run.compile_context]) + run.steps + 64
@@ -546,7 +551,7 @@ def run_e2e(run, args, argv):
             torch.cuda.empty_cache()
         add(lambda: small_rows(run, args), "small model (masks from a trained router if there is one)")
     record["wall_s"] = round(time.time() - t_start)
-    save(args.out, record, markdown(record))
+    publish()
     print(markdown(record) + f"\nwritten: {args.out}.json, {args.out}.md")
     return record
 

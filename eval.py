@@ -172,7 +172,9 @@ class BatchShared(torch.nn.Module):
 def shared_rows(args, x, y):
     """Per-token routing against batch-shared FFN routing (BatchShared) for each batch size and k."""
     rows = []
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))  # batches of unrelated windows
+    # Batches of unrelated windows, every batch full (the remainder windows are left out of these rows).
+    n = len(x) // math.lcm(*args.shared_batch) * math.lcm(*args.shared_batch) if args.shared_batch else 0
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:n]
     x, y = x[perm], y[perm]
     for path in (args.dial_from, os.path.join(args.out_dir, "wide-a0.75-f0.25-stage2")):
         if not os.path.isfile(os.path.join(path, "wide.json")):
@@ -181,17 +183,20 @@ def shared_rows(args, x, y):
         own, rates = score(model, x, y, args)
         base = dict(checkpoint=path, per_token_ppl=round(own, 3), per_token_ffn_skip=round(mean(rates["ffn"]), 4))
         routers = [layer.ffn_router for layer in model.layers]
-        for B in args.shared_batch:
-            for k in sorted({1, 2, B // 4, B // 2} - {0}):
-                for layer, r in zip(model.layers, routers):
-                    layer.ffn_router = BatchShared(r, B, k)
-                ppl, rates = score(model, x, y, argparse.Namespace(**dict(vars(args), batch_size=args.batch_size // B * B or B)))
-                rows.append(dict(base, batch=B, k=k, val_ppl=round(ppl, 3), vs_per_token=round(ppl / own, 4),
-                                 ffn_live_in_batch=round(1 - mean(rates["ffn"]), 4)))
-                print(f"{path} batch-shared FFN routing, batch {B}, k {k}: ppl {ppl:.2f} ({own:.2f} per token), "
-                      f"FFN groups run {rows[-1]['ffn_live_in_batch']:.1%}", flush=True)
-        for layer, r in zip(model.layers, routers):
-            layer.ffn_router = r
+        try:
+            for B in args.shared_batch:
+                for k in sorted({1, 2, B // 4, B // 2} - {0}):
+                    for layer, r in zip(model.layers, routers):
+                        layer.ffn_router = BatchShared(r, B, k)
+                    sized = argparse.Namespace(**dict(vars(args), batch_size=max(1, args.batch_size // B) * B))
+                    ppl, rates = score(model, x, y, sized)
+                    rows.append(dict(base, batch=B, k=k, val_ppl=round(ppl, 3), vs_per_token=round(ppl / own, 4),
+                                     ffn_live_in_batch=round(1 - mean(rates["ffn"]), 4), windows=n))
+                    print(f"{path} batch-shared FFN routing, batch {B}, k {k}: ppl {ppl:.2f} ({own:.2f} per token), "
+                          f"FFN groups run {rows[-1]['ffn_live_in_batch']:.1%}", flush=True)
+        finally:
+            for layer, r in zip(model.layers, routers):
+                layer.ffn_router = r
     return rows
 
 
@@ -408,7 +413,8 @@ def markdown(rows, matched, dense_ppl, meta, fp8=(), batch_shared=()):
             out.append(f"| {name} | {r['dtype']} | {r['val_ppl']:.2f} | {r['fp8_val_ppl']:.2f} | "
                        f"{r['fp8_vs_model']:.4f} | {r['realized']:.1%} / {r['fp8_realized']:.1%} |")
     if batch_shared:
-        out += ["", "Batch-shared FFN routing (serving time, no retraining): B held-out windows (shuffled) decode "
+        out += ["", f"Batch-shared FFN routing (serving time, no retraining): B held-out windows (shuffled; "
+                f"{batch_shared[0]['windows']} of them, full batches only) decode "
                 "side by side and an FFN channel group runs for the whole batch iff at least k of the B tokens' "
                 "routers want it. 'groups run' is the share of FFN weight bytes a decode step reads; per-token "
                 "routing at this batch reads the union (k = 1).", "",

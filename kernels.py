@@ -387,8 +387,10 @@ def _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
     at = tl.load(a + rows[:, None].to(tl.int64) * sam + k0 + kk[None, :], mask=on[:, None], other=0.0)
     wt = tl.load(w + cols[:, None].to(tl.int64) * swn + k0 + kk[None, :], mask=cok[:, None], other=0.0)
     if BM == 1:
-        return acc + tl.sum(wt.to(tl.float32) * at.to(tl.float32), 1)[None, :]
-    return tl.dot(at, tl.trans(wt.to(at.dtype)), acc, input_precision="ieee" if IEEE else "tf32")
+        acc += tl.sum(wt.to(tl.float32) * at.to(tl.float32), 1)[None, :]
+    else:
+        acc = tl.dot(at, tl.trans(wt.to(at.dtype)), acc, input_precision="ieee" if IEEE else "tf32")
+    return acc
 
 
 @triton.jit

@@ -139,10 +139,11 @@ class Server:
             mark[2] = time.perf_counter()
         else:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            stream = torch.cuda.current_stream(self.device)
+            a.record(stream)
             mark = [phase, a, b, 0]
             yield mark
-            b.record()
+            b.record(stream)
         self.marks.append(mark)
 
     def phase_ms(self):

@@ -260,3 +260,21 @@ def test_batch_shared_ffn_routing_runs_a_group_iff_k_of_the_batch_want_it():
     assert torch.equal(shared(4)[:4], torch.tensor([0., 0, 0, 0]).expand(4, 1, 4))
     assert torch.equal(shared(2)[4:], torch.tensor([0., 1, 0, 0]).expand(2, 1, 4))
     assert shared(1).shape == keep.shape and shared(1).dtype == keep.dtype
+
+
+def test_shared_rows_use_full_batches_and_share_fewer_groups_as_k_grows(tmp_path):
+    import types
+    import data
+    import eval as ev
+    tok = data.train_tokenizer(["To be, or not to be, that is the question."] * 4, 300)
+    model, wcfg = wide_model()
+    wide.save_wide(str(tmp_path / "wide-s0.5-stage2"), model, tok, wcfg)
+    args = types.SimpleNamespace(out_dir=str(tmp_path), dial_from=str(tmp_path / "wide-s0.5-stage2"), batch_size=4,
+                                 device="cpu", shared_batch=[2, 4])
+    x = tokens(10, 16)
+    rows = ev.shared_rows(args, x, x.roll(-1, 1))
+    assert [(r["batch"], r["k"]) for r in rows] == [(2, 1), (2, 2), (4, 1), (4, 2)]
+    assert all(r["windows"] == 8 for r in rows)  # 10 windows -> 8: every batch of 2 and of 4 is full
+    live = {(r["batch"], r["k"]): r["ffn_live_in_batch"] for r in rows}
+    assert live[2, 1] >= live[2, 2] and live[4, 1] >= live[4, 2] and live[4, 1] >= live[2, 1]
+    assert live[4, 1] > 1 - rows[0]["per_token_ffn_skip"], "the union of 4 tokens runs more than one token"

@@ -59,6 +59,19 @@ def test_every_request_equals_generating_it_alone_torch(seed, chunk):
         assert r.tokens == alone(m, r), f"request with a {len(r.prompt)}-token prompt (slot {r.slot})"
 
 
+def test_phase_times_count_every_prompt_token_and_decode_step():
+    # serve.py bench's per-phase columns: each prefill piece counts its tokens, each decode step its rows.
+    m = wide_model()
+    reqs = requests(3, 6)
+    server = serve_all(m, reqs, n_slots=3, slot_len=32, chunk=4)
+    ph = server.phase_ms()
+    assert ph["prefill"][2] == sum(len(r.prompt) for r in reqs) and ph["prefill"][1] >= len(reqs)
+    assert ph["decode"][1] == server.steps and ph["decode"][2] == sum(server.busy)
+    cols = serve.phase_columns(ph, wall_s=1.0)
+    assert cols["decode_ms_per_step"] == pytest.approx(ph["decode"][0] / server.steps)
+    assert cols["prefill_ms_per_1k_tokens"] == pytest.approx(ph["prefill"][0] / ph["prefill"][2] * 1e3)
+
+
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_every_request_equals_generating_it_alone_triton(launches, chunk):
     # The interpreter pays about a second per forward here, so generating alone with the engine is done
@@ -113,6 +126,7 @@ def test_serving_bench_smoke_writes_its_tables(tmp_path):
     rec = serve.main(["bench", "--smoke", "--output", "3,3", "--out", str(tmp_path / "serving")])
     assert [r["profile"] for r in rec["rows"]] == ["dense", "dense", "WIDE 50/50", "WIDE 50/50"]
     assert all(r["output_tokens"] == 3 * r["requests"] and r["rejected"] == 0 for r in rec["rows"])  # --output
+    assert all(r["decode_ms_per_step"] > 0 and r["prefill_ms_per_1k_tokens"] > 0 for r in rec["rows"])
     assert json.load(open(tmp_path / "serving.json"))["rows"] and os.path.isfile(tmp_path / "serving.png")
     assert "TPOT" in open(tmp_path / "serving.md").read() and math.isinf(rec["rows"][0]["rate"])
 
