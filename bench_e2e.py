@@ -383,7 +383,7 @@ TARGETS = [
 ]
 
 
-# The fp8 targets (issue: quantized weights with dynamic width), on the "decode fp8" rows: (text, key, goal).
+# The fp8 targets (quantized weights with dynamic width), on the "decode fp8" rows: (text, key, goal).
 FP8_TARGETS = [
     ("WIDE fp8 vs dense fp8, batch 1", "wide_fp8_vs_dense_fp8", 1.6),
     ("WIDE fp8 vs dense bf16, batch 1", "wide_fp8_vs_dense_bf16", 3.0),
