@@ -143,6 +143,8 @@ class Step(NamedTuple):
     all_heads: torch.Tensor  # [B, 1] all True: the dense model's decode attention
     visible: torch.Tensor   # [B, 1, 1, L] cache slots each row may see (dense_decode_attention "sdpa")
     start: int              # a prefill's first position: 0, or where a chunk of a longer prompt begins
+    every_head: object = None  # a dense layer's prefill chunk (start > 0, dense_chunk_attention "triton"): the
+                               # layout of every head group on, built once per step; else None
 
 
 class Engine:
@@ -208,7 +210,11 @@ class Engine:
         if decode and self.policy.dense_decode_attention == "sdpa":
             L = m.causal_mask.shape[0]
             visible = (torch.arange(L, device=idx.device) < kv_len[:, None])[:, None, None]
-        return Step(decode, cos, sin, slot, kv_len, all_heads, visible, start)
+        every_head = None
+        if (not decode and start > 0 and self.policy.dense_chunk_attention == "triton"
+                and any(layer.attn_router is None for layer in m.layers)):
+            every_head = kernels.layout(torch.ones(B, T, m.config.n_kv_heads, dtype=torch.bool, device=idx.device))
+        return Step(decode, cos, sin, slot, kv_len, all_heads, visible, start, every_head)
 
     def __call__(self, idx, input_pos=None, logits_at=None, masks=None):
         """idx [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] at logits_at), as Transformer.forward."""
@@ -310,8 +316,8 @@ class Engine:
             y = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], is_causal=True,
                                                enable_gqa=Hkv != H)
         elif self.policy.dense_chunk_attention == "triton":  # a chunk at `start`, every head group on
-            every = kernels.layout(torch.ones(B, T, Hkv, dtype=torch.bool, device=x.device))
-            y = attention_prefill(q, kc[:, :, :step.start + T], vc[:, :, :step.start + T], every, start=step.start)
+            S = step.start
+            y = attention_prefill(q, kc[:, :, :S + T], vc[:, :, :S + T], step.every_head, start=S)
         else:
             S = step.start  # a chunk: rows S.. of the model's causal mask say which cached keys it sees
             y = F.scaled_dot_product_attention(q, kc[:, :, :S + T], vc[:, :, :S + T],
