@@ -329,6 +329,25 @@ def test_gpu_bf16_gemms(M):
 
 
 @GPU
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("K", [1024, 16384])  # the O projection's and the down projection's (split) classes
+def test_gpu_one_token_gemm_k_with_fma_rows(fp8, K):
+    # config FMA compiles and matches the twin on the GPU (the interpreter cannot tell it from a tl.dot)
+    torch.manual_seed(K)
+    N, gs = 512, 128
+    a = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+    w, scale = kernels.quantize_fp8(w) if fp8 else (w, None)
+    res = torch.randn(1, N, device="cuda", dtype=torch.bfloat16)
+    for p_on in (0.0, 0.5, 1.0):
+        mask = torch.rand(1, K // gs, device="cuda") < p_on
+        out = kernels.gemm_k(a, w, mask, gs, residual=res, w_scale=scale, config={"FMA": True})
+        ref = kernels.gemm_k_ref(a.float(), w.float() if scale is None else w, mask, gs, residual=res.float(),
+                                 w_scale=scale)
+        assert rel_err(out, ref) <= 1e-2, (p_on, rel_err(out, ref))
+
+
+@GPU
 def test_gpu_bf16_attention():
     torch.manual_seed(0)
     B, H, Hkv, T, D = 2, 8, 2, 300, 128
