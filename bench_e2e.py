@@ -498,8 +498,13 @@ def run_e2e(run, args, argv):
                      f"{run.warmup} warm-up steps")
     rows, old = [], dict(rows=[], commands={}, command=None)  # this run's rows; --append: the file's
     if args.append and os.path.exists(args.out + ".json"):
-        with open(args.out + ".json") as f:
-            old = json.load(f)
+        try:
+            with open(args.out + ".json") as f:
+                old = json.load(f)
+            assert isinstance(old["rows"], list) and old["command"]
+        except (ValueError, KeyError, TypeError, AssertionError):
+            sys.exit(f"error: --append: {args.out}.json is not a results file of this script; "
+                     "move it away or run without --append")
 
     def publish():
         # The file's rows of a part stay until this run has produced rows of that part (a part that fails

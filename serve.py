@@ -88,7 +88,7 @@ class Server:
         self.slots = [None] * n_slots    # the request in each slot, or None
         self.queue, self.done = [], []
         self.steps, self.busy = 0, []    # decode steps run; running requests at each step
-        self.marks = []                  # (phase, start event, end event, tokens): GPU time per phase
+        self.marks = []                  # [phase, start, end (CUDA events or clock), tokens or rows]
 
     def close(self):
         self.graphs.clear()
@@ -299,7 +299,7 @@ def phase_columns(ph, wall_s):
     1k prompt tokens, decode ms per step, and the share of the run's wall time inside the two phases."""
     (p_ms, _, p_tok), (d_ms, d_n, _) = ph.get("prefill", (0.0, 0, 0)), ph.get("decode", (0.0, 0, 0))
     return dict(prefill_ms_per_1k_tokens=p_ms / max(1, p_tok) * 1e3, decode_ms_per_step=d_ms / max(1, d_n),
-                gpu_busy_share=(p_ms + d_ms) / 1e3 / wall_s)
+                in_phase_share=(p_ms + d_ms) / 1e3 / wall_s)
 
 
 def set_profile(m, routers, attn, ffn, tokens):
@@ -336,7 +336,7 @@ def serving_markdown(rec):
         out.append(f"| {r['rate']:g} | {r['profile']} | {r['output_tok_s']:.1f} | {ratio} | {r['ttft_p50_ms']:.0f} / "
                    f"{r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {r['concurrency_max']} / "
                    f"{r['concurrency_mean']:.1f} | " + (f"{sk['attn']:.0%} / {sk['ffn']:.0%}" if sk else "") + " | "
-                   + (f"{r['prefill_ms_per_1k_tokens']:.1f} / {r['decode_ms_per_step']:.2f} / {r['gpu_busy_share']:.0%}"
+                   + (f"{r['prefill_ms_per_1k_tokens']:.1f} / {r['decode_ms_per_step']:.2f} / {r['in_phase_share']:.0%}"
                       if "decode_ms_per_step" in r else "") + " |")
     return "\n".join(out) + "\n"
 

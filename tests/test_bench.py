@@ -169,3 +169,12 @@ def test_e2e_append_replaces_only_the_parts_it_runs(tmp_path):
     assert "Rows by part: " in md
     third, _ = smoke(tmp_path, "bench_e2e.py", "--only", "fp8", "--append")
     assert sorted(r["phase"] for r in third["rows"]) == sorted(r["phase"] for r in second["rows"])
+
+
+def test_e2e_append_onto_a_file_that_is_not_its_results_is_one_line(tmp_path):
+    (tmp_path / "bench.json").write_text("{not json")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "bench_e2e.py", "--smoke", "--only", "fp8", "--append", "--out",
+                        str(tmp_path / "bench")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "--append" in r.stderr
