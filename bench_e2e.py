@@ -43,7 +43,8 @@ import torch
 import engine
 import wide
 from bench_kernels import COPY_GBS, meta, need_device, out_prefix, save
-from generate import CUDAGraphDecoder, generate, routers_off, routers_on
+from generate import CUDAGraphDecoder, generate
+from wide import routers_off, routers_on
 from model import CheckpointError, ModelConfig, Transformer, rope_frequencies
 
 

@@ -332,7 +332,7 @@ def main(argv=None):
     if args.compare_dense:
         speed = {}
         for name in ("WIDE", "dense"):
-            saved = routers_off(model) if name == "dense" else None
+            saved = wide.routers_off(model) if name == "dense" else None
             try:  # the same run twice: the first compiles (Triton, cuDNN plans for these strides); time the second
                 generate(forward, idx, args.max_new_tokens, lengths=lengths)
                 t = {}
@@ -341,7 +341,7 @@ def main(argv=None):
                 speed[name] = t
             finally:
                 if saved:
-                    routers_on(model, saved)
+                    wide.routers_on(model, saved)
         for name, t in speed.items():
             label = "dense (routers off, same engine)" if name == "dense" else f"WIDE ({args.method})"
             print(f"{label}: decode {t['decode_tokens'] / max(t['decode_s'], 1e-9):.1f} tokens/s, "
@@ -365,19 +365,6 @@ def token_widths(masks, cfg, wcfg, at=None):
     if at is None:
         return {k: v[:, -1].float() for k, v in w.items()}
     return {k: v[torch.arange(v.shape[0], device=v.device), at].float() for k, v in w.items()}
-
-
-def routers_off(model):
-    """Remove every router (the dense model, same weights, same engine); returns them for routers_on."""
-    saved = [(l.attn_router, l.ffn_router, l.layer_router) for l in model.layers]
-    for l in model.layers:
-        l.attn_router = l.ffn_router = l.layer_router = None
-    return saved
-
-
-def routers_on(model, saved):
-    for l, (a, f, g) in zip(model.layers, saved):
-        l.attn_router, l.ffn_router, l.layer_router = a, f, g
 
 
 def prunable_share(model, w, b):

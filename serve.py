@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 import torch
 
 import engine
-from generate import CUDAGraphDecoder, routers_off, routers_on
+from generate import CUDAGraphDecoder
+from wide import routers_off, routers_on
 from model import KVCache
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # decode batch sizes with their own CUDA graph

@@ -144,6 +144,19 @@ def routers(model):
                 yield r
 
 
+def routers_off(model):
+    """Remove every router (the dense model, same weights, same engine); returns them for routers_on."""
+    saved = [(l.attn_router, l.ffn_router, l.layer_router) for l in model.layers]
+    for l in model.layers:
+        l.attn_router = l.ffn_router = l.layer_router = None
+    return saved
+
+
+def routers_on(model, saved):
+    for l, (a, f, g) in zip(model.layers, saved):
+        l.attn_router, l.ffn_router, l.layer_router = a, f, g
+
+
 # ----------------------------------------------------------------------------------------------------
 # 2. straight-through: a hard 0/1 sample forward, the soft sample's gradient backward
 
