@@ -17,7 +17,7 @@ printed by `generate.py --backend triton`.
 
 fp8 weights (`Engine(model, weights="fp8")`, generate.py --weights fp8): the prunable linears' weights
 (Q, K and V as one fused tensor, O, gate+up, down) are quantized once to e4m3 with one scale per output
-channel; the embeddings and lm_head stay in the model dtype. Steps of at most kernels.SMALL_M tokens run
+channel; the embeddings and lm_head stay in the model dtype. Steps of at most SMALL_M tokens run
 the fp8 decode kernels (the dense model too, every group live); longer ones dequantize and run as bf16.
 
 The small fused kernels of this path (residual add + RMSNorm + router, RoPE with the KV-cache write)
@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from kernels import INTERPRET
+from kernels_base import INTERPRET, SMALL_M, pow2_divisor
 from kernels_attention import attention_decode, attention_prefill
 from kernels_step import norm_route, rms_norm, rope_and_store
 
@@ -67,8 +67,8 @@ class Policy:
                 "  fp8 weights (e4m3, per-output-channel scales): Q, K, V, O, gate, up, down; embeddings and "
                 "lm_head stay in the model dtype",
                 f"  Triton, reading fp8: Q+K+V (gemm_mn, K and V as its dense tail), gate+up, O and down (gemm_k) "
-                f"at <= {kernels.SMALL_M} tokens, WIDE and dense alike (dense: every group live)",
-                f"  above {kernels.SMALL_M} tokens (prefill) the weights are dequantized to the model dtype, then as bf16:",
+                f"at <= {SMALL_M} tokens, WIDE and dense alike (dense: every group live)",
+                f"  above {SMALL_M} tokens (prefill) the weights are dequantized to the model dtype, then as bf16:",
                 self.describe()])
         return "\n".join([
             f"  Triton: layout, attention (prefill and decode), RMSNorm, RoPE + cache write, routers "
@@ -272,7 +272,7 @@ class Engine:
         nq = H * d
         x2 = x.reshape(M, -1)
         sparse_mn, sparse_k = self.policy.sparse(M, "mn"), self.policy.sparse(M, "k")
-        wo, read_fp8 = attn.o_proj.weight, fp8 is not None and M <= kernels.SMALL_M
+        wo, read_fp8 = attn.o_proj.weight, fp8 is not None and M <= SMALL_M
         if fp8 is not None and not read_fp8:  # a prefill: the values the fp8 codes stand for, then as bf16
             wqkv, wo = (kernels.dequantize_fp8(*fp8[k], x.dtype) for k in ("qkv", "o"))
         if head_mask is not None:
@@ -286,7 +286,7 @@ class Engine:
                                   gs if head_mask is not None else dense_group(wqkv.shape[0]), dense_tail=tail,
                                   w_scale=s8)
             q, kv = qkv[:, :nq], qkv[:, nq:]
-        elif head_mask is not None and sparse_mn and M <= kernels.SMALL_M:
+        elif head_mask is not None and sparse_mn and M <= SMALL_M:
             # Decode: Q's live groups, then K and V (never pruned), as one weight stream in one launch.
             qkv = kernels.gemm_mn(x2, wqkv, mask, gs, dense_tail=wqkv.shape[0] - nq)
             q, kv = qkv[:, :nq], qkv[:, nq:]
@@ -342,7 +342,7 @@ class Engine:
         M = B * T
         x2 = x.reshape(M, D)
         I, wd = wgu.shape[0] // 2, mlp.down_proj.weight
-        if fp8 is not None and M <= kernels.SMALL_M:
+        if fp8 is not None and M <= SMALL_M:
             return self.ffn_fp8(x2, I, fp8, channel_mask, residual).view(B, T, D)
         if fp8 is not None:  # a prefill: the values the fp8 codes stand for, then as bf16
             wgu, wd = (kernels.dequantize_fp8(*fp8[k], x.dtype) for k in ("gu", "down"))
@@ -354,7 +354,7 @@ class Engine:
         mask, gs = channel_mask.reshape(M, -1), I // channel_mask.shape[-1]
         if self.policy.sparse(M, "mn"):
             # gate+up fused, active channel groups only, silu(gate)*up in the epilogue, pruned slots 0.
-            lay = kernels.layout(channel_mask) if M > kernels.SMALL_M else mask
+            lay = kernels.layout(channel_mask) if M > SMALL_M else mask
             a = kernels.gemm_mn(x2, wgu[:I], lay, gs, w_up=wgu[I:])
         else:
             a = (a.view(M, -1, gs) * mask[..., None]).view(M, -1)  # zero the pruned channel groups
@@ -389,6 +389,6 @@ class Engine:
 def dense_group(n):
     """The group size the dense model's fp8 decode kernels cut n rows (or reduction columns) into: the
     largest power of two <= 128 that divides n (at least 16, as the kernels need)."""
-    gs = kernels._pow2_divisor(n, 128)
+    gs = pow2_divisor(n, 128)
     assert gs >= 16, f"{n} channels are not a multiple of 16"
     return gs

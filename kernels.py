@@ -22,101 +22,14 @@ fp8 weights (weight-only, e4m3, one fp32 scale per output channel: `quantize_fp8
 `w_scale`; the kernels load the fp8 bytes of the live groups only, accumulate in fp32 and multiply the
 channel's scale in the epilogue. The twins dequantize (`dequantize_fp8`) and run the same reference.
 """
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-SMALL_M = 16  # at most this many tokens: the decode (GEMV) paths, no layout needed
-LONG_K = 8192  # decode gemm_k with at least this reduction length splits its groups over programs
-
-# Block sizes. Hand-picked on an H200 (bench_kernels.py tune); the interpreter gets tiny fixed ones.
-# Read-only: a caller that wants other sizes (the tuning sweep) passes `config=` to the op.
-CONFIGS = {
-    "block_m": 128,  # layout tile (gemm_mn token tile, gemm_k atomic token tile)
-    "gemm_mn": dict(BN=128, BK=64, num_warps=8, num_stages=4),
-    "gemm_mn_fused": dict(BN=128, BK=64, num_warps=8, num_stages=4),
-    # One token. gate+up (two weights per step) streams best with more programs; Q with K and V (one
-    # weight, a third of the bytes) with fewer, longer ones (12.3 vs 15.7 us at 7 per SM, H200).
-    "gemv_mn_1_fused": dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4),
-    "gemv_mn_1": dict(BN=4, BK=2048, num_warps=4, num_stages=1, programs_per_sm=3),
-    "gemv_mn": dict(BN=16, BK=256, num_warps=4, num_stages=1, programs_per_sm=2),
-    # fp8 codes are half the bytes per element: longer K slices per step (one token, 50% skipped, H200:
-    # gate+up 35.0 -> 26.9 us, Q with K/V 18.2 -> 9.8 us against the bf16 keys' sizes).
-    "gemv_mn_1_fused_fp8": dict(BN=4, BK=2048, num_warps=4, num_stages=1, programs_per_sm=2),
-    "gemv_mn_1_fp8": dict(BN=8, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4),
-    "gemm_k": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
-    # Decode O projection (K = 4096, 8 groups): split over 4 programs too (one token: 12.0 -> 10.2 us, H200).
-    "gemm_k_small": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=4),
-    # Decode with a long reduction (the down projection, K >= 8192): split each tile's live groups
-    # over 4 programs so more weight bytes are in flight (one token: 32 -> 23 us at 50%, H200).
-    "gemm_k_small_long_k": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=4),
-    "gemm_k_small_fp8": dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=6, SPLIT=4),  # 9.2 -> 8.6 us
-    "gemm_k_small_long_k_fp8": dict(BM=16, BN=128, BK=128, num_warps=4, num_stages=6, SPLIT=8),  # 19.4 -> 19.2
-    "gemm_k_atomic": dict(BN=128, BK=64, num_warps=8, num_stages=3),
-    "attn_prefill": dict(BM=128, BN=64, num_warps=8, num_stages=3),
-    "attn_decode": dict(BN=128, SPLIT=2048, num_warps=8, num_stages=2),
-}
-if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per element
-    LONG_K = 64  # so the small test shapes exercise both decode gemm_k variants
-    CONFIGS.update({
-        "block_m": 16,
-        "gemm_mn": dict(BN=32, BK=32), "gemm_mn_fused": dict(BN=32, BK=32),
-        "gemv_mn": dict(BN=16, BK=32, programs_per_sm=1), "gemv_mn_1": dict(BN=8, BK=32, programs_per_sm=1),
-        "gemv_mn_1_fused": dict(BN=8, BK=32, programs_per_sm=1),
-        "gemv_mn_1_fp8": dict(BN=8, BK=32, programs_per_sm=1), "gemv_mn_1_fused_fp8": dict(BN=8, BK=32, programs_per_sm=1),
-        "gemm_k": dict(BM=16, BN=32, BK=16), "gemm_k_small": dict(BM=16, BN=32, BK=16, SPLIT=2),
-        "gemm_k_small_long_k": dict(BM=16, BN=32, BK=16, SPLIT=2),
-        "gemm_k_small_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2), "gemm_k_small_long_k_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2),
-        "gemm_k_atomic": dict(BN=32, BK=16),
-        "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, SPLIT=32),
-    })
-
-
-def _empty(shape, dtype, device):
-    # Every output and scratch buffer comes from here. Under the interpreter (the CPU tests) it starts
-    # poisoned, NaN for floats and -1 for ints, so a slot that a kernel should write and does not fails
-    # the comparison with the twin instead of passing on a lucky zero.
-    if INTERPRET:
-        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def check_device(t):
-    """Triton kernels run on CUDA tensors, or on the CPU under TRITON_INTERPRET=1; anything else fails here."""
-    if not (t.is_cuda or INTERPRET):
-        raise RuntimeError(f"the Triton kernels need a CUDA tensor (got one on {t.device}); on a CPU set "
-                           "TRITON_INTERPRET=1 before starting Python, or call the *_ref twin")
-
-
-def _config(key, override):
-    # The tuned block sizes of one kernel, with a caller's overrides (bench_kernels.py's sweep) on top.
-    return {**CONFIGS[key], **(override or {})}
-
-
-def _num_sms(device):
-    if INTERPRET or device.type != "cuda":
-        return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _pow2_divisor(n, cap):
-    # The largest power of two <= cap that divides n (tiles must not straddle a group).
-    b = 1
-    while b * 2 <= cap and n % (b * 2) == 0:
-        b *= 2
-    return b
-
-
-def _launch(cfg):
-    return {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
-
-
-# The layout (mask reordering) has its own file; it builds on the helpers above, so it comes in here.
-from kernels_layout import Layout, _as_layout, _flat_mask, layout, layout_ref  # noqa: E402,F401
+from kernels_base import (CONFIGS, INTERPRET, LONG_K, SMALL_M, check_device, config_for, empty, launch_args,  # noqa: F401
+                          num_sms, pow2_divisor)
+from kernels_layout import Layout, as_layout, flat_mask, layout, layout_ref  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +66,7 @@ def gemm_mn_ref(x, w, mask, group_size, w_up=None, dense_tail=0, w_scale=None, w
     fp8 weights (w_scale, w_up_scale given): dequantized first."""
     w = _dequantized(x, w, w_scale)
     w_up = w_up if w_up is None else _dequantized(x, w_up, w_up_scale)
-    m = _flat_mask(mask)
+    m = flat_mask(mask)
     if dense_tail:
         m = torch.cat([m, m.new_ones(m.shape[0], dense_tail // group_size)], dim=1)
     y = x @ w.t()
@@ -336,29 +249,29 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     w_up = w_up.contiguous() if fused else w
     ws = w_scale.contiguous() if fp8 else x  # (a placeholder pointer when there are no scales)
     wus = w_up_scale.contiguous() if fp8 and fused else ws
-    out = _empty((M, N), x.dtype, x.device)
+    out = empty((M, N), x.dtype, x.device)
     ieee = x.dtype == torch.float32
     if M <= SMALL_M:  # decode: GEMV straight from the mask
         key = ("gemv_mn_1_fused" if fused else "gemv_mn_1") + ("_fp8" if fp8 else "") if M == 1 else "gemv_mn"
-        cfg = _config(key, config)
-        m = _flat_mask(mask_or_layout).view(torch.uint8)
-        P = cfg["programs_per_sm"] * _num_sms(x.device)
+        cfg = config_for(key, config)
+        m = flat_mask(mask_or_layout).view(torch.uint8)
+        P = cfg["programs_per_sm"] * num_sms(x.device)
         GP = max(2, triton.next_power_of_2(G + GE))
-        BN = _pow2_divisor(group_size, cfg["BN"])
-        _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, m, _empty((P, GP), torch.int32, x.device), M, N, K,
+        BN = pow2_divisor(group_size, cfg["BN"])
+        _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, m, empty((P, GP), torch.int32, x.device), M, N, K,
                               G, GE, x.stride(0), w.stride(0), out.stride(0), GS=group_size, GP=GP,
                               BT=1 if M == 1 else SMALL_M, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8,
-                              IEEE=ieee, **_launch(cfg))
+                              IEEE=ieee, **launch_args(cfg))
         return out
-    lay = _as_layout(mask_or_layout)
-    cfg = _config("gemm_mn_fused" if fused else "gemm_mn", config)
-    BN = _pow2_divisor(group_size, cfg["BN"])
+    lay = as_layout(mask_or_layout)
+    cfg = config_for("gemm_mn_fused" if fused else "gemm_mn", config)
+    BN = pow2_divisor(group_size, cfg["BN"])
     NT = triton.cdiv(M, lay.block_m)
     grid = (G * NT, group_size // BN)
     _gemm_mn_kernel[grid](x, w, w_up, out, lay.counts, lay.perm, lay.work, M, N, K, NT,
                           x.stride(0), w.stride(0), out.stride(0), GS=group_size, BM=lay.block_m,
                           BN=BN, BK=cfg["BK"], FUSED=fused, ZERO=zero_pruned,
-                          EVEN_K=K % cfg["BK"] == 0, IEEE=ieee, **_launch(cfg))
+                          EVEN_K=K % cfg["BK"] == 0, IEEE=ieee, **launch_args(cfg))
     return out
 
 
@@ -369,7 +282,7 @@ def gemm_k_ref(a, w, mask, group_size, residual=None, w_scale=None):
     """(a with the pruned groups' columns set to 0) @ w.T (+ residual). Pruned inputs are never read.
     fp8 weights (w_scale given): dequantized first."""
     w = _dequantized(a, w, w_scale)
-    keep = _flat_mask(mask).repeat_interleave(group_size, dim=1)
+    keep = flat_mask(mask).repeat_interleave(group_size, dim=1)
     y = torch.where(keep, a, torch.zeros((), dtype=a.dtype, device=a.device)) @ w.t()
     return y if residual is None else residual + y
 
@@ -523,25 +436,25 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     a, w = a.contiguous(), w.contiguous()
     ieee = a.dtype == torch.float32
     if method == "atomic" and M > SMALL_M:
-        lay = _as_layout(mask_or_layout)
-        cfg = _config("gemm_k_atomic", config)
+        lay = as_layout(mask_or_layout)
+        cfg = config_for("gemm_k_atomic", config)
         out32 = torch.zeros((M, N), dtype=torch.float32, device=a.device)  # atomics need zeros
         NT = triton.cdiv(M, lay.block_m)
         grid = (G * NT, triton.cdiv(N, cfg["BN"]))
         _gemm_k_atomic_kernel[grid](a, w, out32, lay.counts, lay.perm, lay.work, M, N, NT,
                                     a.stride(0), w.stride(0), GS=group_size, BM=lay.block_m,
-                                    BN=cfg["BN"], BK=_pow2_divisor(group_size, cfg["BK"]),
-                                    IEEE=ieee, **_launch(cfg))
+                                    BN=cfg["BN"], BK=pow2_divisor(group_size, cfg["BK"]),
+                                    IEEE=ieee, **launch_args(cfg))
         return out32.to(a.dtype) if residual is None else residual + out32.to(a.dtype)
     assert method in ("tile", "atomic"), "method must be 'tile' or 'atomic'"
     small = ("gemm_k_small_long_k" if K >= LONG_K else "gemm_k_small") + ("_fp8" if w_scale is not None else "")
-    cfg = _config(small if M <= SMALL_M else "gemm_k", config)
+    cfg = config_for(small if M <= SMALL_M else "gemm_k", config)
     split = cfg.get("SPLIT", 1)
     BM = 1 if M == 1 and cfg.get("FMA") else cfg["BM"]  # FMA: one token as a one-row tile, no tl.dot
-    out = _empty((M, N), a.dtype, a.device)
+    out = empty((M, N), a.dtype, a.device)
     # With SPLIT > 1 the programs write fp32 partials over the live groups; the last one reduces them.
-    part = _empty((split, M, N), torch.float32, a.device) if split > 1 else out
-    m = _flat_mask(mask_or_layout).view(torch.uint8)
+    part = empty((split, M, N), torch.float32, a.device) if split > 1 else out
+    m = flat_mask(mask_or_layout).view(torch.uint8)
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, cfg["BN"]), split)
     if tickets is None:
         tickets = torch.zeros(grid[0], dtype=torch.int32, device=a.device)
@@ -549,10 +462,10 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     if residual is not None:
         residual = residual.contiguous()
     GP = max(2, triton.next_power_of_2(G))
-    live_list = _empty((grid[0] * split, GP), torch.int32, a.device)
+    live_list = empty((grid[0] * split, GP), torch.int32, a.device)
     ws = w_scale.contiguous() if w_scale is not None else out  # (a placeholder pointer without scales)
     _gemm_k_kernel[grid](a, w, ws, out, residual if residual is not None else out, part, tickets, m, live_list,
                          M, N, K, G, a.stride(0), w.stride(0), N, GS=group_size, GP=GP, BM=BM,
-                         BN=cfg["BN"], BK=_pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, SPLIT=split,
-                         HAS_RES=residual is not None, FP8=w_scale is not None, IEEE=ieee, **_launch(cfg))
+                         BN=cfg["BN"], BK=pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, SPLIT=split,
+                         HAS_RES=residual is not None, FP8=w_scale is not None, IEEE=ieee, **launch_args(cfg))
     return out

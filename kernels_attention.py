@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import Layout, _as_layout, _config, _empty, _launch, _num_sms, check_device
+from kernels_base import check_device, config_for, empty, launch_args, num_sms
+from kernels_layout import Layout, as_layout
 
 
 def _expand_heads(mask, H):
@@ -132,15 +133,15 @@ def attention_prefill(q, k, v, head_mask, causal=True, config=None, start=0):
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     assert k.shape[2] == start + T or not causal, "causal: k/v hold exactly the start + T keys"
-    lay = _as_layout(head_mask)
+    lay = as_layout(head_mask)
     G = lay.mask.shape[1]
     assert lay.batch == B and H % G == 0 and H % Hkv == 0, "head_mask must be [B, T, G] with G | H"
     assert D >= 16 and D == triton.next_power_of_2(D), "head dim must be a power of two >= 16"
     hpg, hpk = H // G, H // Hkv
     pack = math.gcd(hpg, hpk)  # heads sharing one group and one KV head
-    cfg = _config("attn_prefill", config)
+    cfg = config_for("attn_prefill", config)
     bmt = max(16 // pack, cfg["BM"] // pack, 1)
-    o = _empty((B, H, T, D), q.dtype, q.device)
+    o = empty((B, H, T, D), q.dtype, q.device)
     grid = (triton.cdiv(T, bmt) + 1, H // pack, B)
     _attn_prefill_kernel[grid](
         q, k, v, o, lay.perm, lay.batch_counts, B, T, G, B * T, start, k.shape[2],
@@ -148,7 +149,7 @@ def attention_prefill(q, k, v, head_mask, causal=True, config=None, start=0):
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         (1.0 / math.sqrt(D)) * 1.4426950408889634, HPG=hpg, HPK=hpk, PACK=pack, BMT=bmt,
         BN=cfg["BN"], D=D, BP=max(2, triton.next_power_of_2(B)), CAUSAL=causal,
-        IEEE=q.dtype == torch.float32, **_launch(cfg))
+        IEEE=q.dtype == torch.float32, **launch_args(cfg))
     return o
 
 
@@ -234,16 +235,16 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None):
     G = head_mask.shape[1]
     assert H % G == 0 and H % Hkv == 0, "head_mask must be [B, G] with G | H"
     assert D >= 16 and D == triton.next_power_of_2(D), "head dim must be a power of two >= 16"
-    cfg = _config("attn_decode", config)
+    cfg = config_for("attn_decode", config)
     # Shorter splits when B * Hkv is small, so that the grid still fills the GPU (batch 1 has only
     # Hkv programs per split); B * Hkv * L large enough keeps the tuned SPLIT.
     split = max(cfg["BN"], min(cfg["SPLIT"], triton.next_power_of_2(
-        triton.cdiv(L * B * Hkv, 2 * _num_sms(q.device)))))
+        triton.cdiv(L * B * Hkv, 2 * num_sms(q.device)))))
     ns = triton.cdiv(L, split)
     hm = head_mask.contiguous().view(torch.uint8)
     kv_len = kv_len.to(device=q.device, dtype=torch.int32)
-    po = _empty((B, H, ns, D), torch.float32, q.device)
-    plse = _empty((B, H, ns), torch.float32, q.device)
+    po = empty((B, H, ns, D), torch.float32, q.device)
+    plse = empty((B, H, ns), torch.float32, q.device)
     hpk = H // Hkv
     _attn_decode_kernel[(ns, Hkv, B)](
         q, k_cache, v_cache, hm, kv_len, po, plse, G, ns, split,
@@ -251,8 +252,8 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None):
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         (1.0 / math.sqrt(D)) * 1.4426950408889634, HPK=hpk, HPG=H // G,
         BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], D=D,
-        IEEE=q.dtype == torch.float32, **_launch(cfg))
-    o = _empty((B, H, 1, D), q.dtype, q.device)
+        IEEE=q.dtype == torch.float32, **launch_args(cfg))
+    o = empty((B, H, 1, D), q.dtype, q.device)
     _attn_merge_kernel[(H, B)](po, plse, hm, kv_len, o, G, ns, split, o.stride(0), o.stride(1),
                                HPG=H // G, NSP=max(2, triton.next_power_of_2(ns)), D=D)
     return o

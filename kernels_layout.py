@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import CONFIGS, _empty, check_device
+from kernels_base import CONFIGS, check_device, empty
 
 
 class Layout(NamedTuple):
@@ -99,10 +99,10 @@ def layout(mask, block_m=None):
     B, T, G = mask3.shape
     M, dev = B * T, mask.device
     flat = mask3.reshape(M, G).contiguous()
-    counts, perm = _empty((G,), torch.int32, dev), _empty((G, M), torch.int32, dev)
-    bcounts = _empty((B, G), torch.int32, dev)
+    counts, perm = empty((G,), torch.int32, dev), empty((G, M), torch.int32, dev)
+    bcounts = empty((B, G), torch.int32, dev)
     n_tiles = triton.cdiv(M, block_m)
-    work = _empty((G * n_tiles,), torch.int32, dev)
+    work = empty((G * n_tiles,), torch.int32, dev)
     # The line that builds the layout: one stable prefix-sum partition per group, then the work list.
     _layout_kernel[(G,)](flat.view(torch.uint8), counts, bcounts, perm, T, G, M,
                          BLOCK=min(4096, triton.next_power_of_2(M)), num_warps=8)
@@ -110,13 +110,13 @@ def layout(mask, block_m=None):
     return Layout(flat, counts, perm, work, bcounts, block_m, B)
 
 
-def _as_layout(mask_or_layout):
+def as_layout(mask_or_layout):
     if isinstance(mask_or_layout, Layout):
         return mask_or_layout
     return layout(mask_or_layout)
 
 
-def _flat_mask(mask_or_layout):
+def flat_mask(mask_or_layout):
     if isinstance(mask_or_layout, Layout):
         return mask_or_layout.mask
     m = mask_or_layout

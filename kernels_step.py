@@ -12,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
-from kernels import INTERPRET
+from kernels_base import INTERPRET, check_device, empty
 from model import apply_rope
 
 
@@ -27,11 +26,11 @@ def rms_norm_ref(x, norm, residual=None):
 
 def rms_norm(x, norm, residual=None):
     """norm(x) in one kernel; with residual, (h, norm(h)) for h = residual + x, also in one kernel."""
-    kernels.check_device(x)
+    check_device(x)
     D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()
-    y = kernels._empty(x2.shape, x2.dtype, x2.device)
-    h = kernels._empty(x2.shape, x2.dtype, x2.device) if residual is not None else y
+    y = empty(x2.shape, x2.dtype, x2.device)
+    h = empty(x2.shape, x2.dtype, x2.device) if residual is not None else y
     res = residual.reshape(-1, D).contiguous() if residual is not None else x2
     BD = triton.next_power_of_2(D)
     _rms_norm_kernel[(x2.shape[0],)](x2, res, h, y, norm.weight, D, norm.eps, HAS_RES=residual is not None,
@@ -72,12 +71,12 @@ def rope_and_store_ref(q, k, v, step, k_dst, v_dst, H, Hkv, d):
 
 def rope_and_store(q, k, v, step, k_dst, v_dst, H, Hkv, d):
     """RoPE on q [M, H*d] and k [M, Hkv*d]; k and v go into k_dst/v_dst [B, Hkv, L, d] at step.slot."""
-    kernels.check_device(q)
+    check_device(q)
     # q, k, v may be column slices of one fused QKV output: rows strided, elements contiguous.
     q, k, v = (t if t.stride(1) == 1 else t.contiguous() for t in (q, k, v))
     assert k.stride(0) == v.stride(0), "k and v must share a row stride"
     M = q.shape[0]
-    q_out = kernels._empty((M, H * d), q.dtype, q.device)
+    q_out = empty((M, H * d), q.dtype, q.device)
     T = M // k_dst.shape[0]
     _rope_kernel[(M,)](q, k, v, step.cos, step.sin, step.slot, q_out, k_dst, v_dst, T, H, Hkv, q.stride(0),
                        k.stride(0), k_dst.stride(0), k_dst.stride(1), k_dst.stride(2),
@@ -136,18 +135,18 @@ def norm_route(x, norm, router, residual=None, ticket=None, ranks_per_program=No
     normed = norm(x), or (h, norm(h)) with a residual; masks [B, T, G].
     ticket: an int32 counter that is zero between launches (the kernel leaves it zero, so a CUDA graph
     can replay it); launches on one stream run one after another, so an engine needs only one."""
-    kernels.check_device(x)
+    check_device(x)
     B, T, D = x.shape
     M = B * T
     down, up = router.down, router.up
     G, R = router.n_groups, down.out_features
     x2 = x.reshape(M, D).contiguous()
     res = residual.reshape(M, D).contiguous() if residual is not None else x2
-    y = kernels._empty((M, D), x.dtype, x.device)
-    h = kernels._empty((M, D), x.dtype, x.device) if residual is not None else y
-    z = kernels._empty((M, R), torch.float32, x.device)
-    keep = kernels._empty((M, G), torch.uint8, x.device)
-    keepf = kernels._empty((M, G), torch.float32, x.device)
+    y = empty((M, D), x.dtype, x.device)
+    h = empty((M, D), x.dtype, x.device) if residual is not None else y
+    z = empty((M, R), torch.float32, x.device)
+    keep = empty((M, G), torch.uint8, x.device)
+    keepf = empty((M, G), torch.float32, x.device)
     ticket = torch.zeros(1, dtype=torch.int32, device=x.device) if ticket is None else ticket
     BT = max(2, triton.next_power_of_2(M))
     # One router rank per program on a GPU; the interpreter pays per program, so one program there,

@@ -1,0 +1,93 @@
+"""
+What every kernel file shares: the interpreter switch, the token counts that pick a kernel variant, the
+block sizes, and the small host-side helpers the launches use (output buffers, the device check, the
+programs-per-SM count). The kernel files import from here and from nowhere above them.
+"""
+import os
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+SMALL_M = 16  # at most this many tokens: the decode (GEMV) paths, no layout needed
+LONG_K = 8192  # decode gemm_k with at least this reduction length splits its groups over programs
+
+# Block sizes. Hand-picked on an H200 (bench_kernels.py tune); the interpreter gets tiny fixed ones.
+# Read-only: a caller that wants other sizes (the tuning sweep) passes `config=` to the op.
+CONFIGS = {
+    "block_m": 128,  # layout tile (gemm_mn token tile, gemm_k atomic token tile)
+    "gemm_mn": dict(BN=128, BK=64, num_warps=8, num_stages=4),
+    "gemm_mn_fused": dict(BN=128, BK=64, num_warps=8, num_stages=4),
+    # One token. gate+up (two weights per step) streams best with more programs; Q with K and V (one
+    # weight, a third of the bytes) with fewer, longer ones (12.3 vs 15.7 us at 7 per SM, H200).
+    "gemv_mn_1_fused": dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4),
+    "gemv_mn_1": dict(BN=4, BK=2048, num_warps=4, num_stages=1, programs_per_sm=3),
+    "gemv_mn": dict(BN=16, BK=256, num_warps=4, num_stages=1, programs_per_sm=2),
+    # fp8 codes are half the bytes per element: longer K slices per step (one token, 50% skipped, H200:
+    # gate+up 35.0 -> 26.9 us, Q with K/V 18.2 -> 9.8 us against the bf16 keys' sizes).
+    "gemv_mn_1_fused_fp8": dict(BN=4, BK=2048, num_warps=4, num_stages=1, programs_per_sm=2),
+    "gemv_mn_1_fp8": dict(BN=8, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4),
+    "gemm_k": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
+    # Decode O projection (K = 4096, 8 groups): split over 4 programs too (one token: 12.0 -> 10.2 us, H200).
+    "gemm_k_small": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=4),
+    # Decode with a long reduction (the down projection, K >= 8192): split each tile's live groups
+    # over 4 programs so more weight bytes are in flight (one token: 32 -> 23 us at 50%, H200).
+    "gemm_k_small_long_k": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=4),
+    "gemm_k_small_fp8": dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=6, SPLIT=4),  # 9.2 -> 8.6 us
+    "gemm_k_small_long_k_fp8": dict(BM=16, BN=128, BK=128, num_warps=4, num_stages=6, SPLIT=8),  # 19.4 -> 19.2
+    "gemm_k_atomic": dict(BN=128, BK=64, num_warps=8, num_stages=3),
+    "attn_prefill": dict(BM=128, BN=64, num_warps=8, num_stages=3),
+    "attn_decode": dict(BN=128, SPLIT=2048, num_warps=8, num_stages=2),
+}
+if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per element
+    LONG_K = 64  # so the small test shapes exercise both decode gemm_k variants
+    CONFIGS.update({
+        "block_m": 16,
+        "gemm_mn": dict(BN=32, BK=32), "gemm_mn_fused": dict(BN=32, BK=32),
+        "gemv_mn": dict(BN=16, BK=32, programs_per_sm=1), "gemv_mn_1": dict(BN=8, BK=32, programs_per_sm=1),
+        "gemv_mn_1_fused": dict(BN=8, BK=32, programs_per_sm=1),
+        "gemv_mn_1_fp8": dict(BN=8, BK=32, programs_per_sm=1), "gemv_mn_1_fused_fp8": dict(BN=8, BK=32, programs_per_sm=1),
+        "gemm_k": dict(BM=16, BN=32, BK=16), "gemm_k_small": dict(BM=16, BN=32, BK=16, SPLIT=2),
+        "gemm_k_small_long_k": dict(BM=16, BN=32, BK=16, SPLIT=2),
+        "gemm_k_small_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2), "gemm_k_small_long_k_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2),
+        "gemm_k_atomic": dict(BN=32, BK=16),
+        "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, SPLIT=32),
+    })
+
+
+def empty(shape, dtype, device):
+    # Every output and scratch buffer comes from here. Under the interpreter (the CPU tests) it starts
+    # poisoned, NaN for floats and -1 for ints, so a slot that a kernel should write and does not fails
+    # the comparison with the twin instead of passing on a lucky zero.
+    if INTERPRET:
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def check_device(t):
+    """Triton kernels run on CUDA tensors, or on the CPU under TRITON_INTERPRET=1; anything else fails here."""
+    if not (t.is_cuda or INTERPRET):
+        raise RuntimeError(f"the Triton kernels need a CUDA tensor (got one on {t.device}); on a CPU set "
+                           "TRITON_INTERPRET=1 before starting Python, or call the *_ref twin")
+
+
+def config_for(key, override):
+    # The tuned block sizes of one kernel, with a caller's overrides (bench_kernels.py's sweep) on top.
+    return {**CONFIGS[key], **(override or {})}
+
+
+def num_sms(device):
+    if INTERPRET or device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pow2_divisor(n, cap):
+    # The largest power of two <= cap that divides n (tiles must not straddle a group).
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def launch_args(cfg):
+    return {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
