@@ -11,13 +11,16 @@ of every skipped group is never done.
 One switch picks the path, in one place: `select(model, backend)` returns either the model itself
 (backend "torch": dense compute, skipped groups zeroed; the reference and the training path) or an
 `Engine` over the same weights (backend "triton"). In the engine every op runs its Triton kernel, on
-a GPU or under TRITON_INTERPRET=1 on the CPU, or the call fails; nothing falls back to a twin. The
-ops it deliberately hands to cuBLAS (exact, because pruned slots are zero) are named in `Policy`,
-printed by `generate.py --backend triton`.
+a GPU or under TRITON_INTERPRET=1 on the CPU, or the call fails; nothing falls back to a twin.
+
+Which op runs where is decided in one place, policy.py: for each step's shape `Policy.plan` lists every
+op with where it runs (Triton, or cuBLAS / SDPA where that is exact and faster) and on which weights;
+the engine runs straight through that plan (it has no thresholds of its own), and
+`generate.py --backend triton` prints it.
 
 fp8 weights (`Engine(model, weights="fp8")`, generate.py --weights fp8): the prunable linears' weights
 (Q, K and V as one fused tensor, O, gate+up, down) are quantized once to e4m3 with one scale per output
-channel; the embeddings and lm_head stay in the model dtype. Steps of at most SMALL_M tokens run
+channel; the embeddings and lm_head stay in the model dtype. Steps of at most SMALL_M (16) tokens run
 the fp8 decode kernels (the dense model too, every group live); longer ones dequantize and run as bf16.
 
 The small fused kernels of this path (residual add + RMSNorm + router, RoPE with the KV-cache write)
@@ -25,7 +28,6 @@ live in kernels_step.py, each after its PyTorch twin. Inference only: prefills (
 at shared positions, as serve.py feeds them) and one-token decode steps at per-row positions; a CUDA
 graph replays a decode step (generate.py).
 """
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -33,53 +35,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from kernels_base import INTERPRET, SMALL_M, pow2_divisor
+from kernels_base import INTERPRET, pow2_divisor
 from kernels_attention import attention_decode, attention_prefill
 from kernels_step import norm_route, rms_norm, rope_and_store
-
-
-@dataclass(frozen=True)
-class Policy:
-    """Which op the engine runs where. Everything not named here always runs its Triton kernel.
-
-    Decode (a few tokens): gemm_mn / gemm_k skip the weight rows of the groups no token of the step
-    runs, but the union of a few tokens' masks already covers nearly every group, so larger steps run
-    cuBLAS on the masked input. Prefill: gemm_mn's sorted tiles skip FLOPs from about a thousand tokens
-    on; gemm_k cannot (with per-token masks no 16-token tile shares a skipped group), so O and down run
-    cuBLAS on the masked input, which is exact because the pruned slots are zero."""
-    sparse_decode_max_tokens: int = 4      # steps with at most this many tokens: Q/O/FFN through Triton
-    sparse_prefill_min_tokens: int = 1024  # prefills with at least this many tokens: Q, gate+up through Triton
-    dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
-    # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa"
-    # (with the model's causal-mask rows, which rules out flash). H200, 2048 queries after 6144 keys: 516 vs 834 us.
-    dense_chunk_attention: str = "triton"
-    router_max_tokens: int = 64            # longer steps run the router module itself (two fp32 GEMMs)
-
-    def sparse(self, M, kind):
-        """Run a pruned linear over M tokens through its kernel? kind "mn" (Q, gate+up) or "k" (O, down)."""
-        return M <= self.sparse_decode_max_tokens or (kind == "mn" and M >= self.sparse_prefill_min_tokens)
-
-    def describe(self, weights="bf16"):
-        d, p = self.sparse_decode_max_tokens, self.sparse_prefill_min_tokens
-        middle = f"{d + 1}-{p - 1} tokens" if p - 1 > d else "no token count"
-        if weights == "fp8":
-            return "\n".join([
-                "  fp8 weights (e4m3, per-output-channel scales): Q, K, V, O, gate, up, down; embeddings and "
-                "lm_head stay in the model dtype",
-                f"  Triton, reading fp8: Q+K+V (gemm_mn, K and V as its dense tail), gate+up, O and down (gemm_k) "
-                f"at <= {SMALL_M} tokens, WIDE and dense alike (dense: every group live)",
-                f"  above {SMALL_M} tokens (prefill) the weights are dequantized to the model dtype, then as bf16:",
-                self.describe()])
-        return "\n".join([
-            f"  Triton: layout, attention (prefill and decode), RMSNorm, RoPE + cache write, routers "
-            f"(<= {self.router_max_tokens} tokens);",
-            f"          Q proj and gate+up (gemm_mn) at <= {d} or >= {p} tokens; O and down (gemm_k) at <= {d} tokens",
-            f"  cuBLAS on the masked input (exact, pruned slots are zero): Q and gate+up at {middle}; "
-            f"O and down above {d} tokens (prefill)",
-            "  cuBLAS, never pruned: K/V projections, lm_head; SDPA: prefill attention with the routers off"
-            + (" (a later chunk of a prompt: the Triton kernel, every head on)" if self.dense_chunk_attention == "triton"
-               else "") + (" and dense decode attention" if self.dense_decode_attention == "sdpa" else ""),
-        ])
+from policy import Plan, Policy, Shape  # noqa: F401 (engine.Policy is the name callers use)
 
 
 def why_not_ready(model):
@@ -134,17 +93,27 @@ def n_groups(router):
     return getattr(router, "n_groups", 0)
 
 
+def router_kind(router):
+    """How policy.plan sees a router: None, "wide" (a wide.Router in fp32: the fused norm_route kernel
+    takes it) or "other" (another router module, e.g. baselines.FixedMask: the module itself runs)."""
+    if router is None:
+        return None
+    down = getattr(router, "down", None)
+    return "wide" if isinstance(down, nn.Linear) and down.weight.dtype == torch.float32 else "other"
+
+
 class Step(NamedTuple):
-    decode: bool            # one token per row attending to the cache; else a prefill from position 0
+    decode: bool            # one token per row attending to the cache; else a prefill from position `start`
     cos: torch.Tensor       # [B*T, head_dim] per token
     sin: torch.Tensor
     slot: torch.Tensor      # [B*T] the cache slot of each token's K/V (its position; t without a cache)
     kv_len: torch.Tensor    # [B] int32 cache length after this decode step (None for a prefill)
     all_heads: torch.Tensor  # [B, 1] all True: the dense model's decode attention
-    visible: torch.Tensor   # [B, 1, 1, L] cache slots each row may see (dense_decode_attention "sdpa")
+    visible: torch.Tensor   # [B, 1, 1, L] cache slots each row may see (the "decode_sdpa" attention)
     start: int              # a prefill's first position: 0, or where a chunk of a longer prompt begins
-    every_head: object = None  # a dense layer's prefill chunk (start > 0, dense_chunk_attention "triton"): the
-                               # layout of every head group on, built once per step; else None
+    every_head: object = None  # the layout of every head group on, for the "prefill_every" attention of a
+                               # dense layer's later chunk: built once per step (plan op step_every_head)
+    plan: Plan = None       # what runs where in this step (policy.py)
 
 
 class Engine:
@@ -174,12 +143,28 @@ class Engine:
         # Zeroed counters the kernels take tickets from and leave zero again (norm_route; gemm_k's split).
         self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
         self.tickets = torch.zeros(4096, dtype=torch.int32, device=device)
+        self.plans = {}  # (Shape, routers) -> Plan: a step's plan is computed once per shape
 
     def setup_caches(self, *args, **kwargs):
         return self.model.setup_caches(*args, **kwargs)
 
     def clear_caches(self):
         return self.model.clear_caches()
+
+    def plan(self, tokens, decode, start=0):
+        """The plan of a step of `tokens` tokens (B * T) with the model's routers as they are now."""
+        dtype = self.model.embed_tokens.weight.dtype
+        shape = Shape(tokens, decode, start, {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16"),
+                      self.weights == "fp8")
+        routers = tuple((router_kind(l.attn_router), router_kind(l.ffn_router)) for l in self.model.layers)
+        if (shape, routers) not in self.plans:
+            self.plans[shape, routers] = self.policy.plan(shape, routers)
+        return self.plans[shape, routers]
+
+    def describe(self, batch, prompt_len):
+        """Where each op runs in a generation of `batch` prompts of `prompt_len` tokens: the plans of its
+        prefill and of its decode steps, as generate.py --backend triton prints them."""
+        return self.plan(batch * prompt_len, False).text() + "\n" + self.plan(batch, True).text()
 
     def step(self, idx, input_pos):
         m = self.model
@@ -199,6 +184,7 @@ class Engine:
         else:
             raise ValueError("the Triton engine runs prefills (whole or chunked) at shared positions and "
                              "one-token decode steps; several tokens at per-row positions need the torch backend")
+        plan = self.plan(B * T, decode, start)
         pos = (torch.arange(T, device=idx.device) if input_pos is None else input_pos).expand(B, T)
         cos, sin = m.rope(pos)                                           # [B, T, head_dim]
         d = cos.shape[-1]
@@ -207,14 +193,13 @@ class Engine:
         kv_len = (pos[:, 0] + 1).to(torch.int32) if decode else None
         all_heads = torch.ones(B, 1, dtype=torch.bool, device=idx.device)
         visible = None
-        if decode and self.policy.dense_decode_attention == "sdpa":
+        if any(ops["attention"].kind == "decode_sdpa" for ops in plan.layers):
             L = m.causal_mask.shape[0]
             visible = (torch.arange(L, device=idx.device) < kv_len[:, None])[:, None, None]
         every_head = None
-        if (not decode and start > 0 and self.policy.dense_chunk_attention == "triton"
-                and any(layer.attn_router is None for layer in m.layers)):
+        if "step_every_head" in plan.step:
             every_head = kernels.layout(torch.ones(B, T, m.config.n_kv_heads, dtype=torch.bool, device=idx.device))
-        return Step(decode, cos, sin, slot, kv_len, all_heads, visible, start, every_head)
+        return Step(decode, cos, sin, slot, kv_len, all_heads, visible, start, every_head, plan)
 
     def __call__(self, idx, input_pos=None, logits_at=None, masks=None):
         """idx [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] at logits_at), as Transformer.forward."""
@@ -224,38 +209,35 @@ class Engine:
             raise ValueError(f"{T} tokens do not fit the context of {self.config.max_seq_len}")
         step = self.step(idx, input_pos)
         x = m.embed_tokens(idx)
-        for layer in m.layers:
-            x = self.block(layer, x, step, masks)
+        for layer, ops in zip(m.layers, step.plan.layers):
+            x = self.block(layer, ops, x, step, masks)
         if logits_at is not None:
             x = x[torch.arange(B, device=x.device), logits_at][:, None]
         return F.linear(rms_norm(x, m.norm), m.head_weight())
 
-    def block(self, layer, x, step, masks):
-        """One layer. Each sublayer starts with one kernel that does the residual add, the RMSNorm and
-        the router (norm_route), so a decode step has no separate launches for them."""
-        wqkv, wgu = self.fused[id(layer)]
-        fp8 = self.fp8.get(id(layer))
-        n, head_mask = self.norm_route(x, layer.input_layernorm, layer.attn_router, masks, "attn")
-        a, added = self.attention(layer.self_attn, wqkv, n, step, head_mask, residual=x, fp8=fp8)
-        if added:  # the O projection's kernel already formed h = x + a
+    def block(self, layer, ops, x, step, masks):
+        """One layer, as its plan says. Each sublayer starts with one kernel that does the residual add,
+        the RMSNorm and the router (norm_route), so a decode step has no separate launches for them."""
+        n, head_mask = self.norm_route(ops["attn_norm"], x, layer.input_layernorm, layer.attn_router, masks, "attn")
+        a = self.attention(layer, ops, n, step, head_mask, residual=x)
+        if ops["o"].runs == "Triton":  # the O projection's kernel already formed h = x + a
             h = a
-            n, channel_mask = self.norm_route(h, layer.post_attention_layernorm, layer.ffn_router, masks, "ffn")
-        else:      # the norm's kernel forms it: (h, norm(h)) with h = x + a
-            (h, n), channel_mask = self.norm_route(a, layer.post_attention_layernorm, layer.ffn_router, masks,
-                                                   "ffn", residual=x)
-        return self.ffn(layer.mlp, wgu, n, channel_mask, residual=h, fp8=fp8)  # h + FFN(n)
+            n, channel_mask = self.norm_route(ops["ffn_norm"], h, layer.post_attention_layernorm,
+                                              layer.ffn_router, masks, "ffn")
+        else:                          # the norm's kernel forms it: (h, norm(h)) with h = x + a
+            (h, n), channel_mask = self.norm_route(ops["ffn_norm"], a, layer.post_attention_layernorm,
+                                                   layer.ffn_router, masks, "ffn", residual=x)
+        return self.ffn(layer, ops, n, channel_mask, residual=h)  # h + FFN(n)
 
-    def norm_route(self, x, norm, router, masks, kind, residual=None):
+    def norm_route(self, op, x, norm, router, masks, kind, residual=None):
         """(norm(x) or (h, norm(h)) with h = residual + x, and the router's decision on x or h as a bool
         mask [B, T, G] (True = the group runs; None without a router). The float mask goes into
         `masks` as the reference forward records it."""
-        if router is None:
+        if op.kind == "norm":
             return rms_norm(x, norm, residual), None
-        down = getattr(router, "down", None)
-        if (isinstance(down, nn.Linear) and down.weight.dtype == torch.float32
-                and x.shape[0] * x.shape[1] <= self.policy.router_max_tokens):
+        if op.kind == "norm_route":
             normed, keep, keepf = norm_route(x, norm, router, residual, self.ticket)
-        else:
+        else:  # "norm_then_router"
             normed = rms_norm(x, norm, residual)
             keepf = router(x if residual is None else normed[0])  # at inference exactly 0 or 1
             keep = keepf > 0.5
@@ -263,39 +245,45 @@ class Engine:
             masks.setdefault(kind, []).append(keepf)
         return normed, keep
 
-    def attention(self, attn, wqkv, x, step, head_mask, residual, fp8=None):
-        """Attention with head_mask bool [B, T, G] or None (dense); wqkv = [Wq; Wk; Wv] (fuse_weights).
-        Returns (residual + attention, True) where the O projection's kernel adds the residual in its
-        epilogue, else (attention, False). fp8: the layer's quantized weights (Engine(weights="fp8"))."""
+    def linear_weights(self, layer, name, op):
+        """(weight, fp8 scale or None) as the op reads it: the model dtype, the fp8 codes, or the values
+        the fp8 codes stand for (a prefill on an fp8 engine)."""
+        w = {"qkv": self.fused[id(layer)][0], "o": layer.self_attn.o_proj.weight,
+             "gu": self.fused[id(layer)][1], "down": layer.mlp.down_proj.weight}[name]
+        if op.weights == "fp8":
+            return self.fp8[id(layer)][name]
+        if op.weights.startswith("fp8 -> "):
+            return kernels.dequantize_fp8(*self.fp8[id(layer)][name], w.dtype), None
+        return w, None
+
+    def attention(self, layer, ops, x, step, head_mask, residual):
+        """Attention with head_mask bool [B, T, G] or None (dense). Returns residual + attention where the
+        O projection runs in Triton (its kernel adds the residual in its epilogue), else attention alone."""
+        attn = layer.self_attn
         B, T, _ = x.shape
         M, H, Hkv, d = B * T, attn.n_heads, attn.n_kv_heads, attn.head_dim
         nq = H * d
         x2 = x.reshape(M, -1)
-        sparse_mn, sparse_k = self.policy.sparse(M, "mn"), self.policy.sparse(M, "k")
-        wo, read_fp8 = attn.o_proj.weight, fp8 is not None and M <= SMALL_M
-        if fp8 is not None and not read_fp8:  # a prefill: the values the fp8 codes stand for, then as bf16
-            wqkv, wo = (kernels.dequantize_fp8(*fp8[k], x.dtype) for k in ("qkv", "o"))
         if head_mask is not None:
             mask, gs = head_mask.reshape(M, -1), H // head_mask.shape[-1] * d
+        if "attn_layout" in ops:
             # The layout (mask reordering), built once per router decision: Q proj and attention share it.
-            lay = kernels.layout(head_mask) if not step.decode else mask
-        if read_fp8:
-            # fp8 codes, one weight stream: Q's live groups (all of Q for the dense model), then K and V.
-            (w8, s8), tail = fp8["qkv"], wqkv.shape[0] - (nq if head_mask is not None else 0)
-            qkv = kernels.gemm_mn(x2, w8, mask if head_mask is not None else self.no_groups(M),
-                                  gs if head_mask is not None else dense_group(wqkv.shape[0]), dense_tail=tail,
-                                  w_scale=s8)
-            q, kv = qkv[:, :nq], qkv[:, nq:]
-        elif head_mask is not None and sparse_mn and M <= SMALL_M:
-            # Decode: Q's live groups, then K and V (never pruned), as one weight stream in one launch.
-            qkv = kernels.gemm_mn(x2, wqkv, mask, gs, dense_tail=wqkv.shape[0] - nq)
-            q, kv = qkv[:, :nq], qkv[:, nq:]
-        elif head_mask is not None and sparse_mn:
+            lay = kernels.layout(head_mask)
+        op = ops["qkv"]
+        wqkv, s8 = self.linear_weights(layer, "qkv", op)
+        if op.kind == "gemv":
+            # Q's live groups, then K and V (never pruned), as one weight stream in one launch.
+            qkv = kernels.gemm_mn(x2, wqkv, mask, gs, dense_tail=wqkv.shape[0] - nq, w_scale=s8)
+        elif op.kind == "gemv_all":  # every row as the dense tail: mask [M, 0]
+            qkv = kernels.gemm_mn(x2, wqkv, self.no_groups(M), dense_group(wqkv.shape[0]),
+                                  dense_tail=wqkv.shape[0], w_scale=s8)
+        elif op.kind == "tiles":
             # Q proj, active groups only; pruned slots stay unwritten (attention never reads them).
             q = kernels.gemm_mn(x2, wqkv[:nq], lay, gs, zero_pruned=False)
             kv = F.linear(x2, wqkv[nq:])  # K and V in one GEMM: never pruned
-        else:
-            qkv = F.linear(x2, wqkv)      # Q, K, V in one GEMM
+        else:  # "cublas", "cublas_every_head": Q, K, V in one GEMM
+            qkv = F.linear(x2, wqkv)
+        if op.kind != "tiles":
             q, kv = qkv[:, :nq], qkv[:, nq:]
         k, v = kv[:, :Hkv * d], kv[:, Hkv * d:]
         if attn.kv_cache is not None:  # K/V are never pruned: the static cache stays complete
@@ -303,79 +291,68 @@ class Engine:
         else:
             kc, vc = (torch.empty(B, Hkv, T, d, dtype=x.dtype, device=x.device) for _ in range(2))
         q = rope_and_store(q, k, v, step, kc, vc, H, Hkv, d).view(B, T, H, d).transpose(1, 2)
-        if step.decode and head_mask is not None:
+        kind, S = ops["attention"].kind, step.start  # a prefill chunk at `start` sees the start + T keys before it
+        if kind == "decode_live":
             y = attention_decode(q, kc, vc, mask, step.kv_len)  # skips the K/V reads of idle KV heads
-        elif step.decode and self.policy.dense_decode_attention == "sdpa":
-            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=step.visible, enable_gqa=Hkv != H)
-        elif step.decode:
+        elif kind == "decode_every":
             y = attention_decode(q, kc, vc, step.all_heads, step.kv_len)
-        elif head_mask is not None:  # a prefill chunk at `start` sees the start + T keys before it
-            S = step.start
+        elif kind == "decode_sdpa":
+            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=step.visible, enable_gqa=Hkv != H)
+        elif kind == "prefill_live":
             y = attention_prefill(q, kc[:, :, :S + T], vc[:, :, :S + T], lay, start=S)
-        elif step.start == 0:  # routers off: the dense baseline at its best (cuDNN / flash through SDPA)
-            y = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], is_causal=True,
-                                               enable_gqa=Hkv != H)
-        elif self.policy.dense_chunk_attention == "triton":  # a chunk at `start`, every head group on
-            S = step.start
+        elif kind == "prefill_every":
             y = attention_prefill(q, kc[:, :, :S + T], vc[:, :, :S + T], step.every_head, start=S)
-        else:
-            S = step.start  # a chunk: rows S.. of the model's causal mask say which cached keys it sees
+        elif kind == "sdpa_causal":  # the dense baseline at its best (cuDNN / flash through SDPA)
+            y = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], is_causal=True, enable_gqa=Hkv != H)
+        else:  # "sdpa_rows": rows S.. of the model's causal mask say which cached keys the chunk sees
             y = F.scaled_dot_product_attention(q, kc[:, :, :S + T], vc[:, :, :S + T],
                                                attn_mask=self.model.causal_mask[S:S + T, :S + T],
                                                enable_gqa=Hkv != H)
         y = y.transpose(1, 2).reshape(M, H * d)  # pruned heads are exact zeros here
-        if read_fp8:  # O from fp8 codes over the live groups (the dense model: all of them)
-            if head_mask is None:
-                gs = dense_group(nq)
-                mask = self.all_groups(M, nq // gs)
-            return kernels.gemm_k(y, fp8["o"][0], mask, gs, residual=residual.reshape(M, -1), tickets=self.tickets,
-                                  w_scale=fp8["o"][1]).view(B, T, -1), True
-        if head_mask is not None and sparse_k:
-            return kernels.gemm_k(y, wo, mask, gs, residual=residual.reshape(M, -1),
-                                  tickets=self.tickets).view(B, T, -1), True
-        return F.linear(y, wo).view(B, T, -1), False
+        op = ops["o"]
+        wo, s8 = self.linear_weights(layer, "o", op)
+        if op.kind == "gemm_k_all":  # the dense model: every group live
+            gs = dense_group(nq)
+            mask = self.all_groups(M, nq // gs)
+        if op.runs == "Triton":
+            return kernels.gemm_k(y, wo, mask, gs, residual=residual.reshape(M, -1), tickets=self.tickets,
+                                  w_scale=s8).view(B, T, -1)
+        return F.linear(y, wo).view(B, T, -1)
 
-    def ffn(self, mlp, wgu, x, channel_mask, residual, fp8=None):
-        """residual + SwiGLU FFN, with channel_mask bool [B, T, G] or None (dense); wgu = [Wgate; Wup].
-        fp8: the layer's quantized weights (Engine(weights="fp8"))."""
+    def ffn(self, layer, ops, x, channel_mask, residual):
+        """residual + SwiGLU FFN, with channel_mask bool [B, T, G] or None (dense), as the plan says."""
         B, T, D = x.shape
         M = B * T
         x2 = x.reshape(M, D)
-        I, wd = wgu.shape[0] // 2, mlp.down_proj.weight
-        if fp8 is not None and M <= SMALL_M:
-            return self.ffn_fp8(x2, I, fp8, channel_mask, residual).view(B, T, D)
-        if fp8 is not None:  # a prefill: the values the fp8 codes stand for, then as bf16
-            wgu, wd = (kernels.dequantize_fp8(*fp8[k], x.dtype) for k in ("gu", "down"))
-        if channel_mask is None or not self.policy.sparse(M, "mn"):
+        op = ops["gate_up"]
+        wgu, sgu = self.linear_weights(layer, "gu", op)
+        I = wgu.shape[0] // 2
+        if channel_mask is not None:
+            mask, gs = channel_mask.reshape(M, -1), I // channel_mask.shape[-1]
+        if op.kind in ("cublas", "cublas_masked"):
             g, u = F.linear(x2, wgu).split(I, dim=-1)  # gate and up in one GEMM
             a = F.silu(g) * u
-            if channel_mask is None:
-                return residual + F.linear(a, wd).view(B, T, D)
-        mask, gs = channel_mask.reshape(M, -1), I // channel_mask.shape[-1]
-        if self.policy.sparse(M, "mn"):
+            if op.kind == "cublas_masked":
+                a = (a.view(M, -1, gs) * mask[..., None]).view(M, -1)  # zero the pruned channel groups
+        else:
             # gate+up fused, active channel groups only, silu(gate)*up in the epilogue, pruned slots 0.
-            lay = kernels.layout(channel_mask) if M > SMALL_M else mask
-            a = kernels.gemm_mn(x2, wgu[:I], lay, gs, w_up=wgu[I:])
-        else:
-            a = (a.view(M, -1, gs) * mask[..., None]).view(M, -1)  # zero the pruned channel groups
-        if self.policy.sparse(M, "k"):  # the residual add in the kernel's epilogue
-            return kernels.gemm_k(a, wd, mask, gs, residual=residual.reshape(M, D), tickets=self.tickets).view(B, T, D)
-        return residual + F.linear(a, wd).view(B, T, D)  # exact: the pruned channels of `a` are zero
-
-    def ffn_fp8(self, x2, I, fp8, channel_mask, residual):
-        """A decode step's FFN from fp8 codes: gate+up over the live channel groups, then down over them
-        (the dense model: every group live, through the same two kernels). Returns [M, D]."""
-        M = x2.shape[0]
-        (wgu, sgu), (wd, sd) = fp8["gu"], fp8["down"]
-        if channel_mask is not None:
-            mask, gs, tail = channel_mask.reshape(M, -1), I // channel_mask.shape[-1], 0
-        else:
-            gs, tail = dense_group(I), I
-            mask = self.no_groups(M)
-        a = kernels.gemm_mn(x2, wgu[:I], mask, gs, w_up=wgu[I:], dense_tail=tail, w_scale=sgu[:I], w_up_scale=sgu[I:])
-        if channel_mask is None:
+            up_scale = None if sgu is None else sgu[I:]
+            gate_scale = None if sgu is None else sgu[:I]
+            if op.kind == "gemv_fused_all":  # every row as gemv_mn's dense tail: mask [M, 0]
+                a = kernels.gemm_mn(x2, wgu[:I], self.no_groups(M), dense_group(I), w_up=wgu[I:], dense_tail=I,
+                                    w_scale=gate_scale, w_up_scale=up_scale)
+            else:  # "gemv_fused" reads the mask itself, "tiles_fused" the layout
+                lay = kernels.layout(channel_mask) if "ffn_layout" in ops else mask
+                a = kernels.gemm_mn(x2, wgu[:I], lay, gs, w_up=wgu[I:], w_scale=gate_scale, w_up_scale=up_scale)
+        op = ops["down"]
+        wd, sd = self.linear_weights(layer, "down", op)
+        if op.kind == "gemm_k_all":
+            gs = dense_group(I)
             mask = self.all_groups(M, I // gs)
-        return kernels.gemm_k(a, wd, mask, gs, residual=residual.reshape(M, -1), tickets=self.tickets, w_scale=sd)
+        if op.runs == "Triton":  # the residual add in the kernel's epilogue
+            return kernels.gemm_k(a, wd, mask, gs, residual=residual.reshape(M, D), tickets=self.tickets,
+                                  w_scale=sd).view(B, T, D)
+        return residual + F.linear(a, wd).view(B, T, D)  # exact: the pruned channels of `a` are zero
 
     def no_groups(self, M):
         # gemm_mn's mask when every row is its dense tail (the dense model): [M, 0]

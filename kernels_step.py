@@ -15,6 +15,10 @@ import triton.language as tl
 from kernels_base import INTERPRET, check_device, empty
 from model import apply_rope
 
+# norm_route: with at most this many tokens the router's second Linear runs in the same launch
+# (policy.py counts the launches with it)
+ROUTER_UP_FUSED_MAX_TOKENS = 4
+
 
 def rms_norm_ref(x, norm, residual=None):
     """Twin of rms_norm: model.RMSNorm, after h = residual + x rounded to the model dtype."""
@@ -155,7 +159,7 @@ def norm_route(x, norm, router, residual=None, ticket=None, ranks_per_program=No
     RP, BG = triton.next_power_of_2(R), max(2, triton.next_power_of_2(G))
     # A few tokens: the second Linear in the same launch (its last program goes token by token). More
     # tokens (batched decode): a second, token-parallel launch is faster than that serial tail.
-    up_here = M <= 4
+    up_here = M <= ROUTER_UP_FUSED_MAX_TOKENS
     P = triton.cdiv(R, RB)
     CW = triton.cdiv(D, P)  # the columns of h / RMSNorm(h) each program writes
     _norm_route_kernel[(P,)](

@@ -190,8 +190,9 @@ def test_weights_other_than_bf16_and_fp8_are_refused_and_fp8_is_described():
     with pytest.raises(ValueError, match="bf16 .* or fp8"):
         engine.Engine(m, weights="int4")
     assert isinstance(engine.select(m, "triton", weights="fp8"), engine.Engine)
-    text = engine.Policy().describe("fp8")
-    assert "fp8" in text and "dequantized" in text and "lm_head" in text
+    e = engine.Engine(m, weights="fp8")
+    decode, prefill = e.plan(1, True).text(), e.plan(64, False).text()
+    assert "[fp8]" in decode and "[fp8]" not in prefill and "[fp8 -> fp32]" in prefill and "lm_head" in decode
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,0 +1,213 @@
+"""
+Which op of a step runs where, decided in one place: `Policy.plan(shape, routers)` returns, for one
+step's shape, every op of the step with where it runs (a Triton kernel, cuBLAS, SDPA), on which weights
+(bf16, fp8 codes, fp8 dequantized) and which Triton kernels it launches. engine.py runs straight through
+the plan; `Plan.text()` is what `generate.py --backend triton` prints; the tests record the launches of
+a step and compare them with `Plan.launches()`.
+
+Why a token count decides so much. Decode (a few tokens): gemm_mn / gemm_k skip the weight rows of the
+groups no token of the step runs (the GEMV's live-group list), but the union of a few tokens' masks
+already covers nearly every group, so larger steps hand the pruned linears to cuBLAS on the masked input.
+Prefill: gemm_mn's sorted tiles skip FLOPs from about a thousand tokens on; gemm_k cannot (with per-token
+masks no 16-token tile shares a skipped group), so O and down run cuBLAS on the masked input, which is
+exact because the pruned slots are zero. fp8 codes are read by the decode GEMVs only (<= SMALL_M tokens);
+a prefill dequantizes them and runs as bf16.
+"""
+from collections import Counter
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kernels_base import SMALL_M
+from kernels_step import ROUTER_UP_FUSED_MAX_TOKENS
+
+
+class Shape(NamedTuple):
+    """What a plan depends on: the step's token count and kind, and the weight format."""
+    tokens: int            # B * T tokens in the step
+    decode: bool           # one token per row at per-row positions; else a prefill (from `start`)
+    start: int = 0         # a prefill chunk's first position (0: a whole prompt or its first chunk)
+    dtype: str = "bf16"    # the model's dtype: "bf16", "fp16" or "fp32"
+    fp8: bool = False      # Engine(weights="fp8"): the prunable linears' weights as e4m3 codes
+
+
+class Op(NamedTuple):
+    """One op of a step: `kind` is what the engine dispatches on, the rest is what it means."""
+    kind: str              # e.g. "gemv", "tiles", "cublas" (see KINDS)
+    runs: str              # "Triton", "cuBLAS", "SDPA" or "torch"
+    weights: str = ""      # linears: "fp8" (the kernel reads e4m3 codes), "fp8 -> bf16" (dequantized), else the dtype
+    kernels: tuple = ()    # the Triton kernels it launches, one launch each (names as tests record them)
+
+
+# kind -> what the op does then (the text generate.py prints)
+KINDS = {
+    "norm": "RMSNorm (rms_norm)",
+    "norm_route": "RMSNorm + the router in one launch (norm_route), residual add fused",
+    "norm_then_router": "RMSNorm (rms_norm), then the router module itself (two fp32 GEMMs)",
+    "layout": "mask reordering: per group, its tokens first (layout + work list)",
+    "gemv": "the live groups' weight rows only (gemv_mn's live-group list); K and V as its dense tail",
+    "gemv_all": "every row as the dense tail of gemv_mn (the dense model through WIDE's kernel)",
+    "tiles": "Q's live (group, token-tile) items only (gemm_mn, sorted tiles); K and V in one cuBLAS GEMM",
+    "cublas": "one cuBLAS GEMM (nothing routed here)",
+    "cublas_every_head": "one cuBLAS GEMM for every head's Q, K, V (attention reads the live groups' Q only)",
+    "cublas_masked_input": "one cuBLAS GEMM on the masked input (exact: the pruned slots are zero)",
+    "cublas_masked": "one cuBLAS GEMM, then the pruned channel groups zeroed (exact)",
+    "rope": "RoPE + KV-cache write (rope_and_store)",
+    "decode_live": "per row, only the KV heads whose head group runs are read (attn_decode + merge)",
+    "decode_every": "each row's cache up to its length, every head (attn_decode + merge)",
+    "decode_sdpa": "SDPA over the whole cache with a length mask",
+    "prefill_live": "the live (group, query-tile) items only (attn_prefill over the layout)",
+    "prefill_every": "attn_prefill with every head on (a chunk after the first)",
+    "sdpa_causal": "SDPA, causal (cuDNN / flash): the dense baseline at its best",
+    "sdpa_rows": "SDPA with the model's causal-mask rows for a chunk after the first",
+    "gemv_fused": "gate+up over the live channel groups only, silu(gate)*up in the epilogue (gemv_mn)",
+    "gemv_fused_all": "gate+up, every group as gemv_mn's dense tail, silu(gate)*up in the epilogue",
+    "tiles_fused": "gate+up over the live (group, token-tile) items, silu(gate)*up in the epilogue (gemm_mn)",
+    "gemm_k": "the live groups' weight columns only (gemm_k), residual add in the epilogue",
+    "gemm_k_all": "gemm_k with every group live (the dense model through WIDE's kernel), residual fused",
+    "embed": "embedding lookup",
+}
+
+# The order ops run in (and are printed in); `step_*` ops run once per step, the others once per layer.
+LAYER_OPS = ("attn_norm", "attn_layout", "qkv", "rope", "attention", "o",
+             "ffn_norm", "ffn_layout", "gate_up", "down")
+NAMES = {"attn_norm": "attention norm", "attn_layout": "attention layout", "qkv": "Q, K, V",
+         "rope": "RoPE + cache", "attention": "attention", "o": "O proj", "ffn_norm": "FFN norm",
+         "ffn_layout": "FFN layout", "gate_up": "gate + up", "down": "down proj",
+         "step_embed": "embedding", "step_every_head": "every-head layout", "step_norm": "final norm",
+         "step_head": "lm_head"}
+
+LAYOUT = ("layout_kernel", "worklist_kernel")
+DECODE_ATTENTION = ("attn_decode_kernel", "attn_merge_kernel")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The engine's thresholds. Everything `plan` does not send elsewhere runs its Triton kernel."""
+    sparse_decode_max_tokens: int = 4      # steps with at most this many tokens: Q/O/FFN through Triton
+    sparse_prefill_min_tokens: int = 1024  # prefills with at least this many tokens: Q, gate+up through Triton
+    dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
+    # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa"
+    # (with the model's causal-mask rows, which rules out flash). H200, 2048 queries after 6144 keys: 516 vs 834 us.
+    dense_chunk_attention: str = "triton"
+    router_max_tokens: int = 64            # longer steps run the router module itself (two fp32 GEMMs)
+
+    def plan(self, shape, routers):
+        """The whole step: routers is one (attn, ffn) pair per layer, each None (no router), "wide" (a
+        wide.Router in fp32, which the fused kernel takes) or "other" (any other router module)."""
+        layers = [self.layer_plan(shape, a, f) for a, f in routers]
+        step = {"step_embed": Op("embed", "torch")}
+        if (not shape.decode and shape.start > 0 and self.dense_chunk_attention == "triton"
+                and any(a is None for a, _ in routers)):  # built once per step, shared by the dense layers
+            step["step_every_head"] = Op("layout", "Triton", kernels=LAYOUT)
+        step["step_norm"] = Op("norm", "Triton", kernels=("rms_norm_kernel",))
+        step["step_head"] = Op("cublas", "cuBLAS", shape.dtype)
+        return Plan(shape, step, layers)
+
+    def layer_plan(self, shape, attn_router, ffn_router):
+        """One layer's ops: {op name: Op}, in LAYER_OPS order (ops that do not run are absent)."""
+        M, decode = shape.tokens, shape.decode
+        # fp8 codes are read by the decode kernels only; a prefill dequantizes them (then as bf16)
+        read_fp8 = shape.fp8 and M <= SMALL_M
+        w = "fp8" if read_fp8 else (f"fp8 -> {shape.dtype}" if shape.fp8 else shape.dtype)
+        sparse_mn = M <= self.sparse_decode_max_tokens or M >= self.sparse_prefill_min_tokens
+        sparse_k = M <= self.sparse_decode_max_tokens
+        ops = {"attn_norm": self.norm_op(M, attn_router)}
+        if attn_router is not None and not decode:  # prefill attention reads the layout (Q's tiles too)
+            ops["attn_layout"] = Op("layout", "Triton", kernels=LAYOUT)
+        if read_fp8 and attn_router is None:
+            ops["qkv"] = Op("gemv_all", "Triton", w, ("gemv_mn_kernel",))
+        elif attn_router is not None and (read_fp8 or (sparse_mn and M <= SMALL_M)):
+            ops["qkv"] = Op("gemv", "Triton", w, ("gemv_mn_kernel",))
+        elif attn_router is not None and sparse_mn:
+            ops["qkv"] = Op("tiles", "Triton", w, ("gemm_mn_kernel",))
+        else:
+            ops["qkv"] = Op("cublas" if attn_router is None else "cublas_every_head", "cuBLAS", w)
+        ops["rope"] = Op("rope", "Triton", kernels=("rope_kernel",))
+        ops["attention"] = self.attention_op(shape, attn_router)
+        if read_fp8:
+            ops["o"] = Op("gemm_k" if attn_router is not None else "gemm_k_all", "Triton", w, ("gemm_k_kernel",))
+        elif attn_router is not None and sparse_k:
+            ops["o"] = Op("gemm_k", "Triton", w, ("gemm_k_kernel",))
+        else:
+            ops["o"] = Op("cublas" if attn_router is None else "cublas_masked_input", "cuBLAS", w)
+        ops["ffn_norm"] = self.norm_op(M, ffn_router)
+        if read_fp8:
+            ops["gate_up"] = Op("gemv_fused" if ffn_router is not None else "gemv_fused_all", "Triton", w,
+                                ("gemv_mn_kernel",))
+        elif ffn_router is not None and sparse_mn and M <= SMALL_M:
+            ops["gate_up"] = Op("gemv_fused", "Triton", w, ("gemv_mn_kernel",))
+        elif ffn_router is not None and sparse_mn:
+            ops["ffn_layout"] = Op("layout", "Triton", kernels=LAYOUT)
+            ops["gate_up"] = Op("tiles_fused", "Triton", w, ("gemm_mn_kernel",))
+        else:
+            ops["gate_up"] = Op("cublas_masked" if ffn_router is not None else "cublas", "cuBLAS", w)
+        if read_fp8:
+            ops["down"] = Op("gemm_k" if ffn_router is not None else "gemm_k_all", "Triton", w, ("gemm_k_kernel",))
+        elif ffn_router is not None and sparse_k:
+            ops["down"] = Op("gemm_k", "Triton", w, ("gemm_k_kernel",))
+        else:
+            ops["down"] = Op("cublas" if ffn_router is None else "cublas_masked_input", "cuBLAS", w)
+        return {name: ops[name] for name in LAYER_OPS if name in ops}
+
+    def norm_op(self, M, router):
+        if router is None:
+            return Op("norm", "Triton", kernels=("rms_norm_kernel",))
+        if router == "wide" and M <= self.router_max_tokens:
+            up = ("router_up_kernel",) if M > ROUTER_UP_FUSED_MAX_TOKENS else ()
+            return Op("norm_route", "Triton", kernels=("norm_route_kernel",) + up)
+        return Op("norm_then_router", "Triton + torch", kernels=("rms_norm_kernel",))
+
+    def attention_op(self, shape, router):
+        if shape.decode and router is not None:
+            return Op("decode_live", "Triton", kernels=DECODE_ATTENTION)
+        if shape.decode:
+            if self.dense_decode_attention == "sdpa":
+                return Op("decode_sdpa", "SDPA")
+            return Op("decode_every", "Triton", kernels=DECODE_ATTENTION)
+        if router is not None:
+            return Op("prefill_live", "Triton", kernels=("attn_prefill_kernel",))
+        if shape.start == 0:
+            return Op("sdpa_causal", "SDPA")
+        if self.dense_chunk_attention == "triton":
+            return Op("prefill_every", "Triton", kernels=("attn_prefill_kernel",))
+        return Op("sdpa_rows", "SDPA")
+
+
+class Plan(NamedTuple):
+    """Every op of one step: `step` ops once, `layers[i]` the ops of layer i."""
+    shape: Shape
+    step: dict
+    layers: list
+
+    def launches(self):
+        """The Triton launches this step makes: Counter(kernel name -> launches)."""
+        ops = [*self.step.values(), *(op for layer in self.layers for op in layer.values())]
+        return Counter(k for op in ops for k in op.kernels)
+
+    def text(self):
+        """The plan as generate.py prints it: each distinct layer plan once, with the layers it covers."""
+        s = self.shape
+        what = ("a decode step" if s.decode else
+                "a prefill" + (f" chunk at position {s.start}" if s.start else ""))
+        weights = "fp8 weights for the prunable linears" if s.fp8 else f"{s.dtype} weights"
+        lines = [f"{what} of {s.tokens} token{'s' if s.tokens != 1 else ''}, {weights}:"]
+        groups = []  # (layer plan, [layer indices]) in first-seen order
+        for i, ops in enumerate(self.layers):
+            for plan, idx in groups:
+                if plan == ops:
+                    idx.append(i)
+                    break
+            else:
+                groups.append((ops, [i]))
+        for ops, idx in groups:
+            which = "every layer" if len(idx) == len(self.layers) else "layers " + ",".join(map(str, idx))
+            lines.append(f"  {which}:")
+            lines += [op_line(name, op) for name, op in ops.items()]
+        lines.append("  once per step:")
+        lines += [op_line(name, op) for name, op in self.step.items()]
+        return "\n".join(lines)
+
+
+def op_line(name, op):
+    weights = f" [{op.weights}]" if op.weights else ""
+    return f"    {NAMES[name]:<18} {op.runs:<14} {KINDS[op.kind]}{weights}"

@@ -1,0 +1,127 @@
+"""The engine runs what policy.py plans, and nothing else.
+
+`Policy.plan(shape, routers)` is the one place that decides where each op of a step runs. These tests run
+steps of several shapes through the engine under the launch recorder (conftest.py) and assert that the
+Triton kernels that launched are exactly the ones the plan lists: decode at batch 1 and 8, a prefill of
+2048 tokens (past Policy.sparse_prefill_min_tokens), a later chunk of a prompt, the dense model, and fp8
+weights. A plan the engine is handed is followed, and the text generate.py prints comes from the plan.
+"""
+from collections import Counter
+
+import pytest
+import torch
+
+import engine
+import policy
+from test_e2e import DEV, wide_model
+
+SHAPES = {  # name -> (routers, weights, batch, tokens per row, chunk start or None for a decode step)
+    "decode B1": (True, "bf16", 1, 1, None),
+    "decode B8": (True, "bf16", 8, 1, None),
+    "prefill 2048": (True, "bf16", 32, 64, 0),
+    "later chunk": (True, "bf16", 2, 24, 40),
+    "dense decode B1": (False, "bf16", 1, 1, None),
+    "dense later chunk": (False, "bf16", 2, 24, 40),
+    "fp8 decode B1": (True, "fp8", 1, 1, None),
+    "fp8 dense decode B8": (False, "fp8", 8, 1, None),
+    "fp8 prefill": (True, "fp8", 2, 24, 0),
+}
+
+
+def run_step(e, m, B, T, start):
+    """One step through the engine: a decode step after a short prefill, or a prefill (chunk) at `start`."""
+    gen = torch.Generator().manual_seed(B * 100 + T)
+    e.setup_caches(B)
+    if start is None:  # the prefill that fills the cache is not what is counted
+        e(torch.randint(0, 96, (B, 5), generator=gen).to(DEV), input_pos=torch.arange(5, device=DEV))
+        return lambda: e(torch.randint(0, 96, (B, 1), generator=gen).to(DEV),
+                         input_pos=torch.full((B, 1), 5, device=DEV))
+    if start:
+        e(torch.randint(0, 96, (B, start), generator=gen).to(DEV), input_pos=torch.arange(start, device=DEV))
+    return lambda: e(torch.randint(0, 96, (B, T), generator=gen).to(DEV),
+                     input_pos=torch.arange(start, start + T, device=DEV))
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread):
+    routers, weights, B, T, start = SHAPES[name]
+    m = wide_model(routers=routers)
+    if name == "prefill 2048":  # 32 rows of 64: 2048 tokens in one step, a small cache per row; one layer
+        m.config.max_seq_len = 64  # (the interpreter pays per program, and a layer's plan is a layer's plan)
+        m.layers = m.layers[:1]
+    e = engine.Engine(m, weights=weights)
+    with torch.no_grad():
+        step = run_step(e, m, B, T, start)
+        launches.clear()
+        step()
+    plan = e.plan(B * T, start is None, start or 0)
+    launched = Counter({k: len(v) for k, v in launches.grids.items()})
+    assert launched == plan.launches(), f"{name}:\n{plan.text()}"
+    kinds = {op.kind for op in plan.layers[0].values()}
+    expected = {"decode B1": {"gemv", "gemv_fused", "gemm_k", "decode_live", "norm_route"},
+                "decode B8": {"cublas_every_head", "cublas_masked", "cublas_masked_input", "decode_live"},
+                "prefill 2048": {"layout", "tiles", "tiles_fused", "prefill_live", "cublas_masked_input"},
+                "later chunk": {"layout", "prefill_live", "cublas_every_head", "cublas_masked"},
+                "dense decode B1": {"cublas", "decode_every", "norm"},
+                "dense later chunk": {"cublas", "prefill_every"},
+                "fp8 decode B1": {"gemv", "gemv_fused", "gemm_k"},
+                "fp8 dense decode B8": {"gemv_all", "gemv_fused_all", "gemm_k_all", "decode_every"},
+                "fp8 prefill": {"cublas_every_head", "prefill_live"}}[name]
+    assert expected <= kinds, f"{name}: {kinds}"
+
+
+def test_an_fp8_step_reads_codes_only_where_the_plan_says():
+    p = policy.Policy()
+    routers = [("wide", "wide")]
+    for tokens, want in ((1, "fp8"), (16, "fp8"), (17, "fp8 -> bf16"), (4096, "fp8 -> bf16")):
+        ops = p.plan(policy.Shape(tokens, tokens <= 16, dtype="bf16", fp8=True), routers).layers[0]
+        assert {ops[k].weights for k in ("qkv", "o", "gate_up", "down")} == {want}, tokens
+
+
+def test_the_thresholds_move_ops_between_triton_and_cublas():
+    p = policy.Policy()
+    routed = [("wide", "wide")]
+    where = lambda tokens, decode, op: p.plan(policy.Shape(tokens, decode), routed).layers[0][op].runs
+    assert [where(M, True, "o") for M in (1, 4, 5, 16)] == ["Triton", "Triton", "cuBLAS", "cuBLAS"]
+    assert [where(M, False, "qkv") for M in (64, 1023, 1024, 4096)] == ["cuBLAS", "cuBLAS", "Triton", "Triton"]
+    assert [where(M, False, "down") for M in (1024, 4096)] == ["cuBLAS", "cuBLAS"]  # gemm_k cannot skip in prefill
+    assert where(64, True, "attn_norm") == "Triton" and where(65, True, "attn_norm") == "Triton + torch"
+    dense = p.plan(policy.Shape(1, True), [(None, None)]).layers[0]
+    assert {op.runs for name, op in dense.items() if name in ("qkv", "o", "gate_up", "down")} == {"cuBLAS"}
+
+
+def test_the_engine_follows_a_plan_it_is_handed(launches, monkeypatch, one_thread):
+    # A plan that sends the decode O projection to cuBLAS: the engine must not run gemm_k there anyway.
+    real = policy.Policy.layer_plan
+
+    def o_on_cublas(self, shape, a, f):
+        ops = real(self, shape, a, f)
+        ops["o"] = policy.Op("cublas_masked_input", "cuBLAS", ops["o"].weights)
+        return ops
+    monkeypatch.setattr(policy.Policy, "layer_plan", o_on_cublas)
+    m = wide_model()
+    ref = wide_model()
+    e = engine.Engine(m)
+    with torch.no_grad():
+        step = run_step(e, m, 1, 1, None)
+        launches.clear()
+        out = step()
+        ref.setup_caches(1)
+        gen = torch.Generator().manual_seed(101)
+        ref(torch.randint(0, 96, (1, 5), generator=gen).to(DEV), input_pos=torch.arange(5, device=DEV))
+        want = ref(torch.randint(0, 96, (1, 1), generator=gen).to(DEV), input_pos=torch.full((1, 1), 5, device=DEV))
+    assert launches.count("gemm_k_kernel") == len(m.layers)  # the down projections only
+    assert torch.allclose(out, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_printed_plan_names_every_op_where_it_runs():
+    e = engine.Engine(wide_model())
+    text = e.describe(2, 37)
+    prefill, decode = text.split("a decode step")
+    assert prefill.startswith("a prefill of 74 tokens, fp32 weights:")
+    for name in ("Q, K, V", "attention", "O proj", "gate + up", "down proj", "lm_head"):
+        assert name in prefill and name in decode
+    assert "cuBLAS         one cuBLAS GEMM on the masked input" in prefill  # O and down at 74 tokens
+    assert "gemv_mn's live-group list" in decode and "only the KV heads whose head group runs" in decode
+    fp8 = engine.Engine(wide_model(routers=False), weights="fp8").plan(1, True).text()
+    assert "fp8 weights for the prunable linears" in fp8 and "[fp8]" in fp8 and "lm_head" in fp8
