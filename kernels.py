@@ -96,7 +96,8 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, 
     rows = tl.load(perm + g * M + p, mask=p < M, other=0).to(tl.int64)
     cols = g * GS + tl.program_id(1) * BN + tl.arange(0, BN)
     optr = out + rows[:, None] * som + cols[None, :]
-    if tile * BM >= count:  # dead tile: no token here runs group g -> return before any load
+    # WIDE skip: a dead tile (no token here runs group g) returns before any load of x or w
+    if tile * BM >= count:
         if ZERO:
             tl.store(optr, tl.zeros([BM, BN], out.dtype.element_ty), mask=(p < M)[:, None])
         return
@@ -167,6 +168,8 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
     gg = tl.arange(0, GP)
     bits = tl.load(mask + t[:, None] * G + gg[None, :], mask=(t < M)[:, None] & (gg < G)[None, :],
                    other=0).to(tl.int32)
+    # WIDE skip: the live-group list; a group no token of the step runs is never put on it, so its weight
+    # rows are never read (the dense tail, K and V after Q, is always live)
     live = ((tl.max(bits, 0) > 0) | ((gg >= G) & (gg < G + GE))).to(tl.int32)
     dead = tl.where(gg < G + GE, 1 - live, 0)
     n_live = tl.sum(live, 0)
@@ -338,7 +341,9 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, 
     gg = tl.arange(0, GP)
     bits = tl.load(mask + rows[:, None] * G + gg[None, :], mask=rok[:, None] & (gg < G)[None, :],
                    other=0).to(tl.int32)
-    live = (tl.max(bits, 0) > 0).to(tl.int32)  # groups that some token of this tile runs
+    # WIDE skip: only the groups some token of this tile runs are visited; the others' weight columns are
+    # never read
+    live = (tl.max(bits, 0) > 0).to(tl.int32)
     n_live = tl.sum(live, 0)
     STEPS: tl.constexpr = GS // BK
     split = tl.program_id(1)
@@ -392,7 +397,7 @@ def _gemm_k_atomic_kernel(a, w, out32, counts, perm, work, M, N, NT, sam, swn,
     item = tl.load(work + tl.program_id(0))
     g, tile = item // NT, item % NT
     count = tl.load(counts + g)
-    if tile * BM >= count:  # dead tile: return before any load
+    if tile * BM >= count:  # dead tile: return before any load (WIDE skip, as in _gemm_mn_kernel)
         return
     p = tile * BM + tl.arange(0, BM)
     ok = p < count

@@ -89,7 +89,9 @@ def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT, S, LK,
     r = tl.arange(0, PACK * BMT)
     head = h0 + r // BMT
     dd = tl.arange(0, D)
-    if tile >= n_live:  # no active token left for this tile: zero the inactive ones and return
+    # WIDE skip: a dead tile (no active token of this group left for it) loads no Q/K/V: it zeros the
+    # inactive tokens' outputs and returns
+    if tile >= n_live:
         p = (tile - n_live) * BMT + r % BMT
         ok = p < T - cnt
         pos = tl.load(perm + g * MT + tl.sum(bc, 0) + b * T - off + p, mask=ok, other=0) - b * T
@@ -183,7 +185,8 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, G, NS, SPLIT,
     act = tl.load(head_mask + b * G + head // HPG, mask=r < HPK, other=0) > 0
     n = tl.load(kv_len + b)
     start = s * SPLIT
-    if (tl.max(act.to(tl.int32), 0) == 0) | (start >= n):  # inactive KV head: no K/V read
+    # WIDE skip: a KV head none of whose query-head groups runs for row b returns before its K/V are read
+    if (tl.max(act.to(tl.int32), 0) == 0) | (start >= n):
         return
     end = tl.minimum(start + SPLIT, n)
     dd = tl.arange(0, D)
