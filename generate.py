@@ -9,7 +9,7 @@ token at a time, each attending to the cache).
 
 With --sparsity S (any S in [0, 1)) the router checkpoint trained for the nearest target is used (stage 2
 if present, else stage 1) and dialled to S: per-(layer, router type) offsets on the routers' skip-minus-
-execute gap, calibrated on training windows and cached in the checkpoint's dial.json (wide.load_dialled);
+execute gap, calibrated on training windows and cached in the checkpoint's dial.json (checkpoints.load_dialled);
 --attn-sparsity A --ffn-sparsity F dial the two router types separately. The checkpoint and offsets used,
 the realized attention/FFN sparsity and the executed fraction of linear FLOPs are printed.
 
@@ -29,8 +29,11 @@ import time
 
 import torch
 
+import checkpoints
+import data
 import engine
 import wide
+from dial import describe_offsets
 from model import CheckpointError, Transformer, load_tokenizer
 
 EOT = "<|endoftext|>"
@@ -251,13 +254,13 @@ def main(argv=None):
     path = args.checkpoint
     if path is None:
         path = (os.path.join(args.out_dir, "base") if dial_to is None
-                else wide.nearest_checkpoint(args.out_dir, args.method, dial_to))
+                else checkpoints.nearest_checkpoint(args.out_dir, args.method, dial_to))
     wcfg, dial = None, None
     if os.path.isfile(os.path.join(path, "wide.json")) and dial_to is not None:
-        model, wcfg, dial = wide.load_dialled(path, args.sparsity, args.attn_sparsity, args.ffn_sparsity,
-                                              device=args.device, dtype=dtype)
+        model, wcfg, dial = checkpoints.load_dialled(path, args.sparsity, args.attn_sparsity, args.ffn_sparsity,
+                                                     windows=data.dial_windows, device=args.device, dtype=dtype)
     elif os.path.isfile(os.path.join(path, "wide.json")):
-        model, wcfg = wide.load_wide(path, device=args.device, dtype=dtype)
+        model, wcfg = checkpoints.load_wide(path, device=args.device, dtype=dtype)
     else:
         if dial_to is not None:
             what = "is a dense model" if os.path.isdir(path) else "does not exist"
@@ -301,7 +304,7 @@ def main(argv=None):
     print(f"checkpoint: {path}" + (f" ({wcfg.method}, target {wide.trained_target(wcfg):g}, stage {wcfg.stage})" if wcfg else ""))
     if dial:  # which offsets turned that checkpoint into the requested sparsity
         target = " ".join(f"{k} {v:g}" for k, v in dial["targets"].items())
-        print(f"dial: {target}; offsets " + (wide.describe_offsets(dial["offsets"]) if dial["offsets"] else "none")
+        print(f"dial: {target}; offsets " + (describe_offsets(dial["offsets"]) if dial["offsets"] else "none")
               + f" ({dial['source']})")
     if backend == "triton":
         print("backend triton; where each op runs:\n" + forward.policy.describe(args.weights))

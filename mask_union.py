@@ -30,11 +30,12 @@ def mask_union(paths, batches, max_tokens=16384, block=128, trials=400, seed=0):
     eval.py's windows), then the live share of the union vs batch size, per router type."""
     import data
     import wide
+    from checkpoints import load_wide
     from model import load_tokenizer
     _, val = data.split_plays()
     out = []
     for path in paths:
-        m, wcfg = wide.load_wide(path)
+        m, wcfg = load_wide(path)
         x, _ = data.val_windows(data.encode_plays(load_tokenizer(path), val), block, max_tokens // block)
         masks = {}
         for i in range(0, len(x), 32):

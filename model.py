@@ -246,6 +246,13 @@ class Block(nn.Module):
         return h + (f if gate is None else f * gate)
 
 
+def is_wide_tensor(name):
+    """A router or LoRA tensor, by its state_dict name: what wide.py adds to this model (the router slots
+    above, LoRA's lora_A / lora_B). Not a Llama weight, so checkpoints carry these apart from the rest
+    and a Llama checkpoint loader leaves them to wide.py's side."""
+    return "router" in name or "lora_" in name
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -364,7 +371,7 @@ class Transformer(nn.Module):
         # refuse it rather than load a model with parts silently dropped. Routers and LoRA factors are
         # wide.py's; old HF checkpoints store RoPE's inv_freq, and tied ones sometimes a copy of the head.
         known = set(own) | {f"model.{k}" for k in own}
-        unknown = [k for k in state if k not in known and "router" not in k and "lora_" not in k
+        unknown = [k for k in state if k not in known and not is_wide_tensor(k)
                    and not k.endswith("rotary_emb.inv_freq") and not (k == "lm_head.weight" and self.lm_head is None)]
         if unknown:
             raise CheckpointError(f"checkpoint has {len(unknown)} tensors a Llama model does not have, e.g. "
@@ -427,7 +434,7 @@ def save_checkpoint(path, model, tokenizer=None, extra_tensors=None, extra_files
     os.makedirs(tmp)
     tensors = {}
     for k, v in model.state_dict().items():
-        if "router" in k or "lora_" in k:
+        if is_wide_tensor(k):
             continue  # routers and LoRA factors are not Llama weights: wide.py passes them as extra_tensors
         k = k.replace(".base.weight", ".weight")  # a LoRA-wrapped projection keeps its frozen W as .base
         tensors["lm_head.weight" if k == "lm_head.weight" else f"model.{k}"] = v.detach().contiguous().cpu()

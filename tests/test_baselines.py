@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import baselines
+import checkpoints
 import wide
 from conftest import assert_close
 from tiny_models import V, random_model, run, tokens, wide_config, wide_model
@@ -230,7 +231,7 @@ def test_eval_reads_runs_trained_with_separate_targets(tmp_path):
     import eval as ev
     tok = data.train_tokenizer(["To be, or not to be, that is the question."] * 4, 300)
     model, wcfg = wide_model(attn_target=0.6, ffn_target=0.4)
-    wide.save_wide(str(tmp_path / "wide-a0.6-f0.4-stage1"), model, tok, wcfg)
+    checkpoints.save_wide(str(tmp_path / "wide-a0.6-f0.4-stage1"), model, tok, wcfg)
     args = types.SimpleNamespace(out_dir=str(tmp_path), batch_size=4, device="cpu")
     x = tokens(4, 16)
     rows, group_cfg = ev.router_rows(args, x, x.roll(-1, 1))
@@ -268,7 +269,7 @@ def test_shared_rows_use_full_batches_and_share_fewer_groups_as_k_grows(tmp_path
     import eval as ev
     tok = data.train_tokenizer(["To be, or not to be, that is the question."] * 4, 300)
     model, wcfg = wide_model()
-    wide.save_wide(str(tmp_path / "wide-s0.5-stage2"), model, tok, wcfg)
+    checkpoints.save_wide(str(tmp_path / "wide-s0.5-stage2"), model, tok, wcfg)
     args = types.SimpleNamespace(out_dir=str(tmp_path), dial_from=str(tmp_path / "wide-s0.5-stage2"), batch_size=4,
                                  device="cpu", shared_batch=[2, 4])
     x = tokens(10, 16)

@@ -3,17 +3,25 @@ The specification of model.py's checkpoints, one property per test: Hugging Face
 load with the same logits (and the same tokenizer) as transformers, our own checkpoints round-trip and
 load in transformers, saving is atomic, and every way a checkpoint can be wrong (missing, damaged, or
 not a Llama at all) ends in one CheckpointError naming the problem, never in a half-loaded model.
+Then checkpoints.py's router checkpoints: routers and LoRA round-trip, and run directories are named
+and read back by one pair of functions.
 
-The random models are test_model.py's (two layers, width 64, larger-than-usual weights).
+The random models are test_model.py's (two layers, width 64, larger-than-usual weights), and for the
+router checkpoints tiny_models.py's.
 """
 import json
 import os
+from dataclasses import asdict
 
 import pytest
 import torch
 import torch.nn as nn
 
+import checkpoints
+import data
 import model as M
+import tiny_models as tm
+import wide
 from conftest import assert_close
 from model import CheckpointError, ModelConfig, Transformer
 from test_model import randomize_, random_model, tokens
@@ -337,3 +345,104 @@ def test_weights_a_llama_does_not_have_raise_checkpoint_error(checkpoint, extra)
     with pytest.raises(CheckpointError, match="does not have") as e:
         Transformer.from_pretrained(str(checkpoint))
     assert extra in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# router checkpoints (checkpoints.py): the dense weights + router / LoRA tensors + wide.json, and the
+# run directory names. The models are tiny_models.py's (2 layers, 2 head groups, 4 channel groups).
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return data.train_tokenizer(["To be, or not to be, that is the question."] * 4, 300)
+
+
+def router_and_lora_tensors(model):
+    return {k: v for k, v in model.state_dict().items() if M.is_wide_tensor(k)}
+
+
+@pytest.mark.parametrize("method", ["wide", "layerskip"])
+def test_router_and_lora_checkpoint_round_trips(tmp_path, tokenizer, method):
+    model, wcfg = tm.wide_model(method=method, lora_rank=4, lora_alpha=8.0, stage=2)
+    tm.with_lora(model)
+    idx = tm.tokens(2, 10)
+    expected, expected_masks = tm.run(model, idx)
+    path = str(tmp_path / "ckpt")
+    checkpoints.save_wide(path, model, tokenizer, wcfg)
+
+    loaded, wcfg2 = checkpoints.load_wide(path, merge=False)
+    loaded.eval()
+    assert asdict(wcfg2) == asdict(wcfg)
+    saved, got = router_and_lora_tensors(model), router_and_lora_tensors(loaded)
+    assert saved.keys() == got.keys() and len(saved) > 0
+    for k in saved:
+        assert torch.equal(got[k], saved[k]), f"{k} changed in the round trip"
+    logits, masks = tm.run(loaded, idx)
+    assert_close(logits, expected, atol=0.0, what="logits after load_wide(merge=False)")
+    for name, keep in masks.items():
+        assert torch.equal(keep, expected_masks[name]), f"{name} routes differently after loading"
+
+    merged, _ = checkpoints.load_wide(path)  # merge=True is the default, for inference
+    merged.eval()
+    assert not any(isinstance(m, wide.LoRALinear) for m in merged.modules())
+    assert_close(merged(idx), expected, atol=1e-5 * expected.abs().max().item(),
+                 what="logits after load_wide(merge=True)")
+
+
+def test_load_wide_in_bf16_merges_lora_into_bf16_weights_and_keeps_routers_fp32(tmp_path, tokenizer):
+    # What generate.py does on a GPU with a stage-2 checkpoint.
+    model, wcfg = tm.wide_model(lora_rank=4, lora_alpha=8.0, stage=2)
+    tm.with_lora(model)
+    idx = tm.tokens(2, 10)
+    path = str(tmp_path / "ckpt")
+    checkpoints.save_wide(path, model, tokenizer, wcfg)
+    loaded, _ = checkpoints.load_wide(path, dtype=torch.bfloat16)
+    loaded.eval()
+    wrong = [n for n, p in loaded.named_parameters() if "router" not in n and p.dtype != torch.bfloat16]
+    assert not wrong, f"backbone weights not in bf16 after the merge: {wrong[:3]}"
+    assert {p.dtype for p in tm.router_params(loaded)} == {torch.float32}
+    # The same as merging in fp32 and then casting the backbone to bf16 (routers stay fp32). This random
+    # model is chaotic (std 0.3 weights), so bf16 vs fp32 logits are not compared here; the kernels'
+    # GPU tests hold the bf16 tolerances.
+    wide.merge_lora(model)
+    for name, p in model.named_parameters():
+        if "router" not in name:
+            p.data = p.data.to(torch.bfloat16)
+    assert torch.equal(loaded(idx), model(idx))
+
+
+def test_load_wide_of_a_dense_checkpoint_raises_checkpoint_error(tmp_path, tokenizer):
+    path = str(tmp_path / "dense")
+    M.save_checkpoint(path, tm.random_model(), tokenizer)
+    with pytest.raises(CheckpointError, match="wide.json"):
+        checkpoints.load_wide(path)
+
+
+@pytest.mark.parametrize("wcfg,stage,name,read_back", [
+    (dict(target=0.5), 1, "wide-s0.5-stage1", ("wide", 0.5, 1)),
+    (dict(method="layerskip", target=0.25), 2, "layerskip-s0.25-stage2", ("layerskip", 0.25, 2)),
+    (dict(attn_target=0.6, ffn_target=0.4), 1, "wide-a0.6-f0.4-stage1", ("wide", 0.5, 1)),  # the mean
+    (dict(target=1e-05), 2, "wide-s1e-05-stage2", ("wide", 1e-05, 2)),
+])
+def test_run_directory_names_read_back_as_what_they_were_written_from(wcfg, stage, name, read_back):
+    w = wide.WideConfig(**wcfg)
+    assert checkpoints.run_name(w, stage) == name
+    assert checkpoints.run_dir("out", w, stage) == os.path.join("out", name)
+    method, target, st = checkpoints.parse_run_name(name)
+    assert (method, st) == read_back[::2] and target == pytest.approx(read_back[1])
+
+
+@pytest.mark.parametrize("name", ["base", "wide-s0.5-stage3", "teal-s0.5-stage1", "wide-sx-stage1", "wide-s0.5-stage1.old",
+                                  "wide-a0.6-stage1"])
+def test_names_run_name_does_not_write_are_not_run_directories(name):
+    assert checkpoints.parse_run_name(name) is None
+
+
+def test_router_checkpoints_lists_trained_stages_by_name_and_skips_the_rest(tmp_path, tokenizer):
+    model, wcfg = tm.wide_model()
+    for name in ("wide-s0.5-stage2", "wide-s0.25-stage1", "base-stage1"):
+        checkpoints.save_wide(str(tmp_path / name), model, tokenizer, wcfg)
+    (tmp_path / "wide-s0.75-stage1").mkdir()  # no wide.json: not (yet) a checkpoint
+    got = [(os.path.basename(p), *rest) for p, *rest in checkpoints.router_checkpoints(str(tmp_path))]
+    assert got == [("wide-s0.25-stage1", "wide", 0.25, 1), ("wide-s0.5-stage2", "wide", 0.5, 2)]
+    assert checkpoints.router_checkpoints(str(tmp_path / "nowhere")) == []

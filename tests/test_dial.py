@@ -1,7 +1,8 @@
 """
-The specification of the sparsity dial (wide.py, section 9): per-(layer, router type) offsets on the
+The specification of the sparsity dial (dial.py): per-(layer, router type) offsets on the
 skip-minus-execute gap, calibrated on training windows so that deterministic routing realizes a
-requested sparsity, folded into the routers' skip biases at load time; and generate.py's dial flags.
+requested sparsity, folded into the routers' skip biases at load time; the dialled checkpoints and their
+cache (checkpoints.py); and generate.py's dial flags.
 The models are the small ones of tiny_models.py (2 layers, 2 head groups and 4 channel groups per layer).
 """
 import copy
@@ -11,9 +12,11 @@ import os
 import pytest
 import torch
 
+import checkpoints
 import data
-from conftest import assert_one_line_error, run_script
+import dial
 import wide
+from conftest import assert_one_line_error, run_script
 from model import CheckpointError, Transformer, save_checkpoint
 from tiny_models import random_model, tokens, wide_config, wide_model
 
@@ -26,7 +29,7 @@ def realized(model, idx, offsets=None):
     """{kind: mean skip rate} of deterministic routing on idx, with the offsets folded into a copy."""
     m = copy.deepcopy(model)
     if offsets:
-        wide.fold_offsets(m, offsets)
+        dial.fold_offsets(m, offsets)
     masks = {}
     with torch.no_grad():
         m.eval()(idx, masks=masks)
@@ -60,20 +63,20 @@ def test_folded_offset_is_the_gap_rule_and_a_tie_still_executes():
     for offset, keep in ((0.25, 1.0), (0.2500001, 0.0), (0.0, 1.0)):
         rr = copy.deepcopy(r)
         wrapped.layers = [type("L", (), dict(attn_router=rr, ffn_router=None, layer_router=None))()]
-        wide.fold_offsets(wrapped, {"attn": [offset]})
+        dial.fold_offsets(wrapped, {"attn": [offset]})
         assert (rr(x) == keep).all(), f"offset {offset}: expected keep {keep} (a tie executes)"
 
 
 def test_hooked_offsets_and_folded_biases_route_identically():
     # calibrate() applies offsets through forward hooks; inference folds them into the biases.
     model, _ = wide_model()
-    offsets, _ = wide.calibrate(model, WINDOWS, 0.4)
+    offsets, _ = dial.calibrate(model, WINDOWS, 0.4)
     idx = tokens(4, 32, seed=9)
     hooked = {}
-    with wide.dialled(model, offsets), torch.no_grad():
+    with dial.dialled(model, offsets), torch.no_grad():
         model(idx, masks=hooked)
     folded = copy.deepcopy(model)
-    wide.fold_offsets(folded, offsets)
+    dial.fold_offsets(folded, offsets)
     masks = {}
     with torch.no_grad():
         folded(idx, masks=masks)
@@ -89,7 +92,7 @@ def test_hooked_offsets_and_folded_biases_route_identically():
 @pytest.mark.parametrize("target", [0.1, 0.3, 0.5, 0.8])
 def test_calibration_hits_the_target_on_its_windows(target):
     model, _ = wide_model()
-    offsets, per_layer = wide.calibrate(model, WINDOWS, target)
+    offsets, per_layer = dial.calibrate(model, WINDOWS, target)
     got = realized(model, WINDOWS, offsets)
     assert abs((got["attn"] + got["ffn"]) / 2 - target) < 0.01, (got, target)
     assert got["attn"] == pytest.approx(sum(per_layer["attn"]) / 2), "calibrate reports what the folded dial realizes"
@@ -97,25 +100,25 @@ def test_calibration_hits_the_target_on_its_windows(target):
 
 def test_calibration_hits_separate_targets_and_a_layer_skip_target():
     model, _ = wide_model()
-    offsets, _ = wide.calibrate(model, WINDOWS, attn_target=0.7, ffn_target=0.2)
+    offsets, _ = dial.calibrate(model, WINDOWS, attn_target=0.7, ffn_target=0.2)
     got = realized(model, WINDOWS, offsets)
     assert got["attn"] == pytest.approx(0.7, abs=0.01) and got["ffn"] == pytest.approx(0.2, abs=0.01), got
     ls, _ = wide_model(method="layerskip")
-    offsets, _ = wide.calibrate(ls, WINDOWS, 0.4)
+    offsets, _ = dial.calibrate(ls, WINDOWS, 0.4)
     assert realized(ls, WINDOWS, offsets)["layer"] == pytest.approx(0.4, abs=0.01)
 
 
 def test_calibration_generalizes_to_other_windows_of_the_same_text():
     model, _ = wide_model()
-    offsets, _ = wide.calibrate(model, tokens(64, 32, seed=3), 0.5)
+    offsets, _ = dial.calibrate(model, tokens(64, 32, seed=3), 0.5)
     got = realized(model, tokens(64, 32, seed=4), offsets)
     assert abs((got["attn"] + got["ffn"]) / 2 - 0.5) < 0.03, got
 
 
 def test_calibration_is_deterministic():
     model, _ = wide_model()
-    a, _ = wide.calibrate(model, WINDOWS, 0.35)
-    b, _ = wide.calibrate(copy.deepcopy(model), WINDOWS.clone(), 0.35)
+    a, _ = dial.calibrate(model, WINDOWS, 0.35)
+    b, _ = dial.calibrate(copy.deepcopy(model), WINDOWS.clone(), 0.35)
     assert a == b, "two calibrations of the same routers on the same windows must give the same offsets"
 
 
@@ -123,7 +126,7 @@ def test_realized_sparsity_rises_with_the_requested_target():
     model, _ = wide_model()
     seq = []
     for t in (0.0, 0.2, 0.4, 0.6, 0.8, 0.95):
-        got = realized(model, WINDOWS, wide.calibrate(model, WINDOWS, t)[0])
+        got = realized(model, WINDOWS, dial.calibrate(model, WINDOWS, t)[0])
         seq.append((got["attn"] + got["ffn"]) / 2)
     assert all(a <= b for a, b in zip(seq, seq[1:])), seq
     assert seq[0] < 0.01, "target 0 skips nothing"
@@ -132,9 +135,9 @@ def test_realized_sparsity_rises_with_the_requested_target():
 def test_calibration_leaves_the_model_untouched():
     model, _ = wide_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    wide.calibrate(model, WINDOWS, 0.6)
+    dial.calibrate(model, WINDOWS, 0.6)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert all(not r._forward_hooks for _, _, r in wide.router_list(model)), "a hook was left behind"
+    assert all(not r._forward_hooks for _, _, r in dial.router_list(model)), "a hook was left behind"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -151,51 +154,65 @@ def save_router_checkpoint(path, tokenizer, offsets_for=None, seed=0, **wcfg):
     torch.manual_seed(100 + seed)
     wide.install_routers(model, w)
     if offsets_for is not None:
-        w.offsets, _ = wide.calibrate(model, WINDOWS, offsets_for)
-    wide.save_wide(str(path), model, tokenizer, w)
+        w.offsets, _ = dial.calibrate(model, WINDOWS, offsets_for)
+    checkpoints.save_wide(str(path), model, tokenizer, w)
     return model, w
 
 
 def test_offsets_travel_in_wide_json_and_load_wide_folds_them(tmp_path, tokenizer):
     model, w = save_router_checkpoint(tmp_path / "c", tokenizer, offsets_for=0.3, target=0.3)
-    loaded, w2 = wide.load_wide(str(tmp_path / "c"))
+    loaded, w2 = checkpoints.load_wide(str(tmp_path / "c"))
     assert w2.offsets == w.offsets
     assert realized(loaded, WINDOWS) == realized(model, WINDOWS, w.offsets)
-    raw, _ = wide.load_wide(str(tmp_path / "c"), dial=False)  # stage 2 starts from the raw routers
+    raw, _ = checkpoints.load_wide(str(tmp_path / "c"), dial=False)  # stage 2 starts from the raw routers
     assert realized(raw, WINDOWS) == realized(model, WINDOWS)
 
 
 def test_nearest_checkpoint_prefers_the_nearest_target_then_stage_2(tmp_path, tokenizer):
     for name in ("wide-s0.25-stage1", "wide-s0.5-stage1", "wide-s0.5-stage2", "wide-a0.8-f0.6-stage1"):
         save_router_checkpoint(tmp_path / name, tokenizer)
-    near = lambda t: os.path.basename(wide.nearest_checkpoint(str(tmp_path), "wide", t))
+    near = lambda t: os.path.basename(checkpoints.nearest_checkpoint(str(tmp_path), "wide", t))
     assert near(0.3) == "wide-s0.25-stage1"
     assert near(0.45) == "wide-s0.5-stage2"
     assert near(0.75) == "wide-a0.8-f0.6-stage1"  # separate targets count by their mean, 0.7
     with pytest.raises(CheckpointError, match="python train.py --method layerskip --sparsity 0.3"):
-        wide.nearest_checkpoint(str(tmp_path), "layerskip", 0.3)
+        checkpoints.nearest_checkpoint(str(tmp_path), "layerskip", 0.3)
 
 
-def test_load_dialled_calibrates_once_and_caches_atomically(tmp_path, tokenizer, monkeypatch):
-    monkeypatch.setattr(data, "split_plays", lambda: ([TEXT * 40], [TEXT]))  # small "training plays"
+def test_load_dialled_calibrates_once_on_the_callers_windows_and_caches_atomically(tmp_path, tokenizer):
     path = str(tmp_path / "wide-s0.5-stage2")
     model, _ = save_router_checkpoint(path, tokenizer, offsets_for=0.5)
-    m1, _, d1 = wide.load_dialled(path, target=0.3, block_size=32)
+    windows = data.calibration_windows(data.encode_plays(tokenizer, [TEXT * 40]), 32, dial.CALIB_WINDOWS,
+                                       dial.CALIB_SEED)
+    asked = []  # the caller's window maker is asked only when the cache cannot answer
+
+    def make(tok, block_size, n, seed):
+        asked.append((tok.to_str() == tokenizer.to_str(), block_size, n, seed))
+        return windows
+
+    load = lambda target: checkpoints.load_dialled(path, target=target, windows=make, block_size=32)
+    m1, _, d1 = load(0.3)
+    assert asked == [(True, 32, dial.CALIB_WINDOWS, dial.CALIB_SEED)], "the checkpoint's own tokenizer, once"
     assert "calibrated on" in d1["source"] and os.path.isfile(os.path.join(path, "dial.json"))
     assert not os.path.exists(os.path.join(path, "dial.json.tmp"))
-    m2, _, d2 = wide.load_dialled(path, target=0.3, block_size=32)
-    assert "cached in" in d2["source"] and d2["offsets"] == d1["offsets"]
-    windows = data.calibration_windows(data.encode_plays(tokenizer, [TEXT * 40]), 32, wide.CALIB_WINDOWS,
-                                       wide.CALIB_SEED)
+    m2, _, d2 = load(0.3)
+    assert "cached in" in d2["source"] and d2["offsets"] == d1["offsets"] and len(asked) == 1
     got = realized(m1, windows)
     assert abs((got["attn"] + got["ffn"]) / 2 - 0.3) < 0.01, got
-    _, _, own = wide.load_dialled(path, target=0.5, block_size=32)  # its own target: training's dial
-    assert own["source"].startswith("calibrated in training")
+    _, _, own = load(0.5)  # its own target: training's dial
+    assert own["source"].startswith("calibrated in training") and len(asked) == 1
     with open(os.path.join(path, "dial.json"), "w") as f:
         f.write("{damaged")
-    _, _, again = wide.load_dialled(path, target=0.3, block_size=32)
+    _, _, again = load(0.3)
     assert again["offsets"] == d1["offsets"], "a damaged cache is recomputed, to the same offsets"
-    assert json.load(open(os.path.join(path, "dial.json")))
+    assert json.load(open(os.path.join(path, "dial.json"))) and len(asked) == 2
+
+
+def test_dial_windows_are_training_windows_in_the_checkpoints_tokenizer(tokenizer, monkeypatch):
+    monkeypatch.setattr(data, "split_plays", lambda: ([TEXT * 40], [TEXT]))  # small "training plays"
+    got = data.dial_windows(tokenizer, 32, 8, 5)
+    stream = data.encode_plays(tokenizer, [TEXT * 40])
+    assert torch.equal(got, data.calibration_windows(stream, 32, 8, 5)) and got.shape == (8, 32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -210,7 +227,7 @@ def out_dir(tmp_path_factory, tokenizer):
     save_checkpoint(str(out / "base"), model, tokenizer)
     wcfg = wide.WideConfig(ffn_group_size=16, rank=8)
     wide.install_routers(model, wcfg)
-    wide.save_wide(str(out / "wide-s0.5-stage1"), model, tokenizer, wcfg)
+    checkpoints.save_wide(str(out / "wide-s0.5-stage1"), model, tokenizer, wcfg)
     return str(out)
 
 

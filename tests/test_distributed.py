@@ -193,9 +193,9 @@ def tiny_run(tmp_path, steps, stopper=None, kill_at_step=None, **settings):
     stream = torch.randint(64, (400,), generator=torch.Generator().manual_seed(1))
     args = types.SimpleNamespace(**{**dict(device="cpu", seed=0, batch_size=4, block_size=16, eval_interval=10**6,
                                            grad_clip=1.0, ckpt_interval=2), **settings})
-    train.train_loop(model, list(model.parameters()), stream, data.val_windows(stream, 16, 2), args, steps=steps,
-                     lr=1e-2, min_lr=0.0, warmup=1, weight_decay=0.1, name="base", stopper=stopper,
-                     state=str(tmp_path / "base.state.safetensors"))
+    sched = train.Schedule("base", steps, lr=1e-2, min_lr=0.0, warmup=1, weight_decay=0.1)
+    train.train_loop(model, list(model.parameters()), stream, data.val_windows(stream, 16, 2), args, sched,
+                     stopper=stopper, state=str(tmp_path / "base.state.safetensors"))
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 

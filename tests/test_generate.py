@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import checkpoints
 import data
 import engine
 import wide
@@ -37,7 +38,7 @@ def out_dir(tmp_path_factory):
                 p.normal_(0, 0.3)  # clear argmax margins
     wcfg = wide.WideConfig(ffn_group_size=32)
     wide.install_routers(m, wcfg)
-    wide.save_wide(str(out / "wide-s0.5-stage1"), m, tok, wcfg)
+    checkpoints.save_wide(str(out / "wide-s0.5-stage1"), m, tok, wcfg)
     return str(out)
 
 
@@ -67,7 +68,7 @@ def test_show_width_reports_each_rows_own_tokens_not_the_padding(out_dir):
     # Prompts of different lengths are right-padded: after the prefill, position P-1 is padding for
     # the shorter rows. The width of each row's first new token must be that of its own last prompt
     # token, exactly what the row gets when it is generated alone.
-    m, wcfg = wide.load_wide(os.path.join(out_dir, "wide-s0.5-stage1"))
+    m, wcfg = checkpoints.load_wide(os.path.join(out_dir, "wide-s0.5-stage1"))
     prompts = [[5, 17, 3, 44, 9, 2, 7], [6, 5], [3, 5, 8]]
     last = torch.tensor([len(p) - 1 for p in prompts])
 
@@ -94,7 +95,7 @@ def test_realized_sparsity_line_is_the_mean_over_each_rows_own_tokens(out_dir, c
     line = next(l for l in out.splitlines() if l.startswith("realized sparsity"))
     printed = [float(line.split(f"{k} ")[1].split("%")[0]) for k in ("attention", "FFN")]
     # The same numbers from each prompt generated alone (greedy: the same tokens as in the batch).
-    m, wcfg = wide.load_wide(os.path.join(out_dir, "wide-s0.5-stage1"))
+    m, wcfg = checkpoints.load_wide(os.path.join(out_dir, "wide-s0.5-stage1"))
     tok = load_tokenizer(os.path.join(out_dir, "wide-s0.5-stage1"))
     seen = []
     for p in prompts:

@@ -4,6 +4,7 @@ import os
 import pytest
 import torch
 
+import checkpoints
 import data
 from conftest import assert_one_line_error, run_script
 import train
@@ -167,7 +168,7 @@ def test_show_width_on_a_router_checkpoint_colours_tokens(checkpoint, tmp_path):
     wcfg = wide.WideConfig(ffn_group_size=16)
     wide.install_routers(model, wcfg)
     path = str(tmp_path / "wide-s0.5-stage1")
-    wide.save_wide(path, model, load_tokenizer(checkpoint), wcfg)
+    checkpoints.save_wide(path, model, load_tokenizer(checkpoint), wcfg)
     r = run_script("generate.py", "--out-dir", str(tmp_path), "--sparsity", "0.5", "--show-width",
                    "--max-new-tokens", "8")
     assert r.returncode == 0, r.stderr
@@ -195,3 +196,31 @@ def test_solve_target_finds_the_sparsity_with_the_requested_flops():
 def test_non_positive_sizes_and_a_missing_model_are_one_line_errors(tmp_path):
     assert_one_line_error(run_script("train.py", "--batch-size", "0"), "--batch-size")
     assert_one_line_error(run_script("eval.py", "--out-dir", str(tmp_path)), "does not exist", "python train.py")
+
+
+# ----------------------------------------------------------------------------------------------------
+# numeric flags: checked as they are read (cli.integer / real / fraction), one line before any work
+
+
+@pytest.mark.parametrize("script", ["train", "eval"])
+def test_every_numeric_flag_is_parsed_by_a_checking_type(script):
+    import importlib
+    flags = [a for a in importlib.import_module(script).parser()._actions if a.option_strings]
+    unchecked = [a.option_strings[0] for a in flags if a.type in (int, float)]
+    assert not unchecked, f"{script}.py reads {unchecked} with a bare int/float: a bad value ends in a traceback"
+    assert any(a.type is not None for a in flags)
+
+
+@pytest.mark.parametrize("script,flag,value,words", [
+    ("train.py", "--base-steps", "-3", ("--base-steps", "outside >= 1")),
+    ("train.py", "--stage1-lr", "nan", ("--stage1-lr", "not a finite number")),
+    ("train.py", "--lora-alpha", "0", ("--lora-alpha", "outside > 0")),
+    ("train.py", "--ckpt-interval", "2.5", ("--ckpt-interval", "not a whole number")),
+    ("eval.py", "--dial", "1.5", ("--dial", "outside [0, 1)")),
+    ("eval.py", "--shared-batch", "0", ("--shared-batch", "outside >= 1")),
+])
+def test_a_bad_number_is_one_line_error_before_any_work(tmp_path, script, flag, value, words):
+    # --stage 1 / an empty --out-dir: a value that slipped through would fail on the missing base model
+    # (another line), never start training.
+    where = ["--out-dir", str(tmp_path)] + (["--stage", "1"] if script == "train.py" else [])
+    assert_one_line_error(run_script(script, *where, flag, value), *words)

@@ -10,6 +10,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+import checkpoints
 import data
 import train
 import wide
@@ -56,8 +57,8 @@ def test_each_step_descends_cross_entropy_plus_the_penalty_at_the_scheduled_temp
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
     stream = tokens(1, 500, seed=2)[0]
-    train.train_loop(model, params, stream, (tokens(2, 16), tokens(2, 16, seed=1)), args, steps=steps, lr=1e-2,
-                     min_lr=0.0, warmup=1, weight_decay=0.01, name="test", wcfg=wcfg)
+    train.train_loop(model, params, stream, (tokens(2, 16), tokens(2, 16, seed=1)), args,
+                     train.Schedule("test", steps, lr=1e-2, min_lr=0.0, warmup=1, weight_decay=0.01), wcfg=wcfg)
     assert len(recorded) == steps and all(r["max_norm"] == 0.7 for r in recorded)
 
     by_hand, _ = wide_model(target=0.2)
@@ -88,7 +89,7 @@ def test_training_routers_leaves_a_frozen_backbone_untouched():
     routers = {k: v.clone() for k, v in model.state_dict().items() if "router" in k}
     val = (tokens(2, 16), tokens(2, 16, seed=1))
     train.train_loop(model, params, tokens(1, 500, seed=2)[0], val, loop_args(batch_size=4, block_size=16),
-                     steps=3, lr=1e-2, min_lr=0.0, warmup=1, weight_decay=0.01, name="test", wcfg=wcfg)
+                     train.Schedule("test", 3, lr=1e-2, min_lr=0.0, warmup=1, weight_decay=0.01), wcfg=wcfg)
     after = model.state_dict()
     for k, v in backbone.items():
         assert torch.equal(after[k], v), f"frozen backbone tensor {k} changed"
@@ -116,9 +117,9 @@ def test_stages_train_with_the_papers_optimizer_settings_and_stage_2_adds_lora(t
     save_checkpoint(args.base_dir, random_model(), tokenizer)
     calls = []
 
-    def recording(model, params, data, val, args, **settings):
-        calls.append(dict(settings, model=model, params=params))
-        return dict(steps=settings["steps"], seconds=0.0, history=[])
+    def recording(model, params, data, val, args, sched, **settings):
+        calls.append(dict(settings, sched=sched, model=model, params=params))
+        return dict(steps=sched.steps, seconds=0.0, history=[])
 
     monkeypatch.setattr(train, "train_loop", recording)
     wcfg = wide_config()
@@ -128,9 +129,9 @@ def test_stages_train_with_the_papers_optimizer_settings_and_stage_2_adds_lora(t
     one, two = calls
     # Both stages: the paper's AdamW (torch's defaults: betas 0.9/0.999, decay on every parameter) with
     # weight decay 0.01, 10% warm-up, cosine to 0, the stage's own schedule.
-    for call, steps, lr in ((one, 20, 2e-3), (two, 30, 2e-4)):
-        assert {k: call[k] for k in ("steps", "lr", "min_lr", "warmup", "weight_decay", "betas", "decay_1d")} == dict(
-            steps=steps, lr=lr, min_lr=0.0, warmup=steps // 10, weight_decay=0.01, betas=(0.9, 0.999), decay_1d=True)
+    for call, steps, lr, name in ((one, 20, 2e-3, "wide s1"), (two, 30, 2e-4, "wide s2")):
+        assert asdict(call["sched"]) == dict(name=name, steps=steps, lr=lr, min_lr=0.0, warmup=steps // 10,
+                                             weight_decay=0.01, betas=(0.9, 0.999), decay_1d=True)
         assert call["wcfg"] is wcfg  # the penalty and the temperature schedule are on
     # Stage 1 trains the routers alone.
     names = {id(p): n for n, p in one["model"].named_parameters()}
@@ -194,8 +195,8 @@ def test_stage_1_moves_deterministic_sparsity_to_within_0_1_of_the_target(teache
     # Stage 1 as train.py runs it (AdamW, 10% warm-up then cosine, clip 1, wd 0.01, tau 5 -> 0.5), with
     # a learning rate 10x the paper's 2e-3 so that 200 steps are enough.
     steps = 200
-    train.train_loop(model, params, stream, (vx, vy), loop_args(), steps=steps, lr=2e-2, min_lr=0.0,
-                     warmup=steps // 10, weight_decay=0.01, name="stage 1", wcfg=wcfg)
+    train.train_loop(model, params, stream, (vx, vy), loop_args(), train.Schedule(
+        "stage 1", steps, lr=2e-2, min_lr=0.0, warmup=steps // 10, weight_decay=0.01), wcfg=wcfg)
     end = realized_rate()
     assert abs(end - target) < 0.1, (
         f"deterministic sparsity {end:.3f} after stage 1 (it started at {start:.3f}), target {target}")
@@ -221,14 +222,14 @@ def test_each_stage_restarts_the_temperature_at_5(teacher, tokenizer, tmp_path, 
     train.train_stage(args, wcfg, 2, tokenizer, stream, val)
     assert stage1 == pytest.approx([5.0, 3.5, 2.0, 0.5])
     assert taus == pytest.approx([5.0, 2.75, 0.5])
-    _, saved = wide.load_wide(train.run_dir(args, wcfg, 2))
+    _, saved = checkpoints.load_wide(checkpoints.run_dir(args.out_dir, wcfg, 2))
     assert (saved.stage, saved.lora_rank) == (2, 4)
 
 
 def test_distillation_is_off_by_default_and_stage_2_only(tokenizer, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(train, "train_loop", lambda model, params, data, val, args, **kw: calls.append(kw) or
-                        dict(steps=kw["steps"], seconds=0.0, history=[]))
+    monkeypatch.setattr(train, "train_loop", lambda model, params, data, val, args, sched, **kw: calls.append(
+        dict(kw, args=args)) or dict(steps=sched.steps, seconds=0.0, history=[]))
     stream, val = tokens(1, 4000).reshape(-1), (tokens(4, 32, seed=1), tokens(4, 32, seed=2))
     for extra in ([], ["--distill", "0.5"]):
         args, _ = train.parse_args(["--device", "cpu", "--out-dir", str(tmp_path), "--block-size", "32", *extra])
@@ -239,5 +240,5 @@ def test_distillation_is_off_by_default_and_stage_2_only(tokenizer, tmp_path, mo
     (d1, d2), (x1, x2) = calls[:2], calls[2:]
     assert d1["teacher"] is None and d2["teacher"] is None and args.distill == 0.5
     assert x1["teacher"] is None, "stage 1 never distills"
-    assert isinstance(x2["teacher"], Transformer) and x2["distill"] == 0.5
+    assert isinstance(x2["teacher"], Transformer) and x2["args"].distill == 0.5
     assert not any(p.requires_grad for p in x2["teacher"].parameters())

@@ -1,7 +1,7 @@
 """
 The specification of wide.py, one property per test, in the file's order: the router, straight-through,
-the temperature schedule, skip rates, the penalty, LoRA, FLOPs, checkpoints. The models are the small
-ones of tiny_models.py (2 layers, 2 head groups and 4 channel groups per layer).
+the temperature schedule, skip rates, the penalty, LoRA, FLOPs (router checkpoints: test_checkpoints.py).
+The models are the small ones of tiny_models.py (2 layers, 2 head groups and 4 channel groups per layer).
 """
 import math
 from dataclasses import asdict
@@ -12,9 +12,8 @@ import torch.nn as nn
 
 import wide
 from conftest import assert_close
-from data import train_tokenizer
-from model import CheckpointError, Transformer, save_checkpoint
-from tiny_models import random_model, run, router_params, small_config, tokens, wide_config, wide_model
+from model import Transformer
+from tiny_models import random_model, run, router_params, small_config, tokens, wide_config, wide_model, with_lora
 from wide import Router, WideConfig
 
 
@@ -28,7 +27,7 @@ def test_wide_config_defaults_are_the_papers():
         ffn_group_size=32,   # 32 contiguous channels per decision
         rank=32,             # router bottleneck
         lora_rank=0, lora_alpha=32.0, stage=1,
-        offsets=None)        # no dial until a stage calibrates one (wide.calibrate)
+        offsets=None)        # no dial until a stage calibrates one (dial.calibrate)
     assert wide.PENALTY_WEIGHT == 20.0
 
 
@@ -343,17 +342,6 @@ def test_unknown_method_raises_value_error():
 # 6. LoRA
 
 
-def with_lora(model, rank=4, alpha=8.0, seed=0):
-    """LoRA on every projection, with B made non-zero (a freshly installed LoRA is an exact no-op)."""
-    wide.install_lora(model, rank, alpha)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, wide.LoRALinear):
-                m.lora_B.copy_(0.1 * torch.randn(m.lora_B.shape, generator=g))
-    return model.eval()
-
-
 def test_lora_wraps_all_seven_projections_of_every_layer():
     model = wide.install_lora(random_model(), 4, 8.0)
     wrapped = {n for n, m in model.named_modules() if isinstance(m, wide.LoRALinear)}
@@ -445,7 +433,7 @@ def test_flop_fraction_matches_a_hand_count():
     head = 32 * 50                        # 1600: once per token, never skipped
     router = (32 * 8 + 8 * 2 * 2) + (32 * 8 + 8 * 2 * 4)  # rank 8; 2 head groups, 4 channel groups: 608
     dense = 2 * (q + kv + o + ffn) + head
-    assert dense == 20032
+    assert dense == 20032 == wide.dense_flops(cfg)  # the denominator of every fraction, routers or not
 
     assert wide.flop_fraction(cfg, None, [1, 1], [1, 1]) == 1.0  # dense accounting, no routers
     # With routers, keeping every group costs slightly more than the dense model.
@@ -478,73 +466,3 @@ def test_last_width_is_each_tokens_share_of_groups_run_and_its_flop_fraction():
     b, t = 1, 4
     one = wide.flop_fraction(model.config, wcfg, [width["attn"][b, t].item()] * L, [width["ffn"][b, t].item()] * L)
     assert width["flops"][b, t].item() == pytest.approx(one)
-
-
-# ----------------------------------------------------------------------------------------------------
-# 8. checkpoints
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return train_tokenizer(["To be, or not to be, that is the question."] * 4, 300)
-
-
-def router_and_lora_tensors(model):
-    return {k: v for k, v in model.state_dict().items() if "router" in k or "lora_" in k}
-
-
-@pytest.mark.parametrize("method", ["wide", "layerskip"])
-def test_router_and_lora_checkpoint_round_trips(tmp_path, tokenizer, method):
-    model, wcfg = wide_model(method=method, lora_rank=4, lora_alpha=8.0, stage=2)
-    with_lora(model)
-    idx = tokens(2, 10)
-    expected, expected_masks = run(model, idx)
-    path = str(tmp_path / "ckpt")
-    wide.save_wide(path, model, tokenizer, wcfg)
-
-    loaded, wcfg2 = wide.load_wide(path, merge=False)
-    loaded.eval()
-    assert asdict(wcfg2) == asdict(wcfg)
-    saved, got = router_and_lora_tensors(model), router_and_lora_tensors(loaded)
-    assert saved.keys() == got.keys() and len(saved) > 0
-    for k in saved:
-        assert torch.equal(got[k], saved[k]), f"{k} changed in the round trip"
-    logits, masks = run(loaded, idx)
-    assert_close(logits, expected, atol=0.0, what="logits after load_wide(merge=False)")
-    for name, keep in masks.items():
-        assert torch.equal(keep, expected_masks[name]), f"{name} routes differently after loading"
-
-    merged, _ = wide.load_wide(path)  # merge=True is the default, for inference
-    merged.eval()
-    assert not any(isinstance(m, wide.LoRALinear) for m in merged.modules())
-    assert_close(merged(idx), expected, atol=1e-5 * expected.abs().max().item(),
-                 what="logits after load_wide(merge=True)")
-
-
-def test_load_wide_in_bf16_merges_lora_into_bf16_weights_and_keeps_routers_fp32(tmp_path, tokenizer):
-    # What generate.py does on a GPU with a stage-2 checkpoint.
-    model, wcfg = wide_model(lora_rank=4, lora_alpha=8.0, stage=2)
-    with_lora(model)
-    idx = tokens(2, 10)
-    path = str(tmp_path / "ckpt")
-    wide.save_wide(path, model, tokenizer, wcfg)
-    loaded, _ = wide.load_wide(path, dtype=torch.bfloat16)
-    loaded.eval()
-    wrong = [n for n, p in loaded.named_parameters() if "router" not in n and p.dtype != torch.bfloat16]
-    assert not wrong, f"backbone weights not in bf16 after the merge: {wrong[:3]}"
-    assert {p.dtype for p in router_params(loaded)} == {torch.float32}
-    # The same as merging in fp32 and then casting the backbone to bf16 (routers stay fp32). This random
-    # model is chaotic (std 0.3 weights), so bf16 vs fp32 logits are not compared here; the kernels'
-    # GPU tests hold the bf16 tolerances.
-    wide.merge_lora(model)
-    for name, p in model.named_parameters():
-        if "router" not in name:
-            p.data = p.data.to(torch.bfloat16)
-    assert torch.equal(loaded(idx), model(idx))
-
-
-def test_load_wide_of_a_dense_checkpoint_raises_checkpoint_error(tmp_path, tokenizer):
-    path = str(tmp_path / "dense")
-    save_checkpoint(path, random_model(), tokenizer)
-    with pytest.raises(CheckpointError, match="wide.json"):
-        wide.load_wide(path)

@@ -1,5 +1,5 @@
 """
-The small models that tests/test_wide.py, test_baselines.py and test_train.py share.
+The small models that tests/test_wide.py, test_baselines.py, test_train.py and test_checkpoints.py share.
 
 Everything runs on the CPU in fp32 with a two-layer model of width 32 (4 query heads sharing 2 KV heads,
 FFN width 64), so routers have 2 head groups (one KV group each) and 4 channel groups of 16. The random
@@ -47,6 +47,17 @@ def wide_model(seed=0, **overrides):
     torch.manual_seed(100 + seed)
     wide.install_routers(model, wcfg)
     return model.eval(), wcfg
+
+
+def with_lora(model, rank=4, alpha=8.0, seed=0):
+    """LoRA on every projection, with B made non-zero (a freshly installed LoRA is an exact no-op)."""
+    wide.install_lora(model, rank, alpha)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, wide.LoRALinear):
+                m.lora_B.copy_(0.1 * torch.randn(m.lora_B.shape, generator=g))
+    return model.eval()
 
 
 def tokens(B, T, seed=0):

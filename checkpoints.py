@@ -1,0 +1,181 @@
+"""
+Router checkpoints: what train.py writes after each stage and what generate.py, eval.py and the benchmarks
+load back.
+
+A router checkpoint is a dense checkpoint directory (model.save_checkpoint: config.json, model.safetensors,
+tokenizer.json) whose safetensors file also holds the router and LoRA tensors, plus wide.json (the
+WideConfig, with the dial its stage calibrated) and train_state.json (how it was trained). Its directory
+name says what it is, written by run_name and read back by parse_run_name:
+
+    out/wide-s0.5-stage1        WIDE, shared target 0.5, stage 1
+    out/wide-a0.6-f0.4-stage2   WIDE, attention target 0.6 and FFN target 0.4, stage 2
+    out/layerskip-s0.25-stage2  the layer-skip baseline
+
+    model, wcfg = load_wide(path)                                   # LoRA merged, its own dial folded in
+    model, wcfg, dial = load_dialled(path, 0.4, windows=data.dial_windows)  # dialled to another sparsity
+
+A sparsity other than the checkpoint's own is calibrated once (calibrate, on windows the caller's
+function makes) and cached in the checkpoint's dial.json.
+"""
+import json
+import os
+import re
+from dataclasses import asdict
+
+import torch
+
+from dial import CALIB_SEED, CALIB_WINDOWS, calibrate, fold_offsets
+from model import CheckpointError, Transformer, is_wide_tensor, load_safetensors_dir, load_tokenizer, save_checkpoint
+from wide import WideConfig, install_lora, install_routers, merge_lora, trained_target
+
+
+# ----------------------------------------------------------------------------------------------------
+# saving and loading
+
+
+def save_wide(path, model, tokenizer, wcfg, train_state=None):
+    extra = {f"model.{k}": v for k, v in model.state_dict().items() if is_wide_tensor(k)}
+    files = {"wide.json": asdict(wcfg)}
+    if train_state is not None:
+        files["train_state.json"] = train_state
+    save_checkpoint(path, model, tokenizer, extra_tensors=extra, extra_files=files)
+
+
+def load_wide(path, device="cpu", dtype=torch.float32, merge=True, dial=True):
+    """A WIDE or layer-skip checkpoint -> (model with routers, WideConfig). LoRA is merged by default;
+    the dial calibrated at the end of training (wcfg.offsets) is folded into the routers unless dial=False
+    (stage 2 starts from stage 1's raw routers; a new calibration starts from the raw routers too)."""
+    file = os.path.join(path, "wide.json")
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file} is missing: {path!r} is not a router checkpoint (train one with train.py)")
+    try:
+        with open(file) as f:
+            wcfg = WideConfig(**json.load(f))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise CheckpointError(f"{file} is corrupt ({e})") from None
+    model = Transformer.from_pretrained(path, device=device)  # fp32 until LoRA is merged
+    install_routers(model, wcfg)
+    if wcfg.lora_rank:
+        install_lora(model, wcfg.lora_rank, wcfg.lora_alpha)
+    extra = {k[len("model."):]: v for k, v in load_safetensors_dir(path).items() if is_wide_tensor(k)}
+    expected = {k for k in model.state_dict() if is_wide_tensor(k)}
+    if set(extra) != expected:
+        raise CheckpointError(f"{path!r}: router/LoRA tensors do not match wide.json "
+                              f"(missing {sorted(expected - set(extra))[:2]}, unexpected {sorted(set(extra) - expected)[:2]})")
+    model.load_state_dict(extra, strict=False)
+    if merge:
+        merge_lora(model)
+    if dial and wcfg.offsets:
+        fold_offsets(model, wcfg.offsets)
+    for name, p in model.named_parameters():  # routers stay fp32 (see wide.Router); buffers (RoPE) too
+        if "router" not in name:
+            p.data = p.data.to(dtype)
+    return model.eval(), wcfg
+
+
+# ----------------------------------------------------------------------------------------------------
+# run directory names: one function writes them, one reads them back
+
+
+def run_name(wcfg, stage):
+    """wide-s0.5-stage1, layerskip-s0.25-stage2, wide-a0.6-f0.4-stage1, ..."""
+    t = f"a{wcfg.attn_target:g}-f{wcfg.ffn_target:g}" if wcfg.attn_target is not None else f"s{wcfg.target:g}"
+    return f"{wcfg.method}-{t}-stage{stage}"
+
+
+def run_dir(out_dir, wcfg, stage):
+    return os.path.join(out_dir, run_name(wcfg, stage))
+
+
+def parse_run_name(name):
+    """run_name backwards: (method, trained target, stage), the target of separate ones being their mean
+    (as wide.trained_target counts it); None for a name run_name does not write."""
+    m = re.fullmatch(r"(wide|layerskip)-(?:s(\S+?)|a(\S+?)-f(\S+?))-stage([12])", name)
+    if m is None:
+        return None
+    try:
+        attn, ffn = (float(m[3]), float(m[4])) if m[2] is None else (None, None)
+        target = float(m[2]) if m[2] is not None else 0.0
+    except ValueError:  # "wide-sx-stage1": not a number, not a run directory
+        return None
+    return m[1], trained_target(WideConfig(target=target, attn_target=attn, ffn_target=ffn)), int(m[5])
+
+
+def router_checkpoints(out_dir):
+    """[(path, method, trained target, stage)] of every trained stage under out_dir, by name."""
+    found = []
+    for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
+        run = parse_run_name(name)
+        if run and os.path.isfile(os.path.join(out_dir, name, "wide.json")):
+            found.append((os.path.join(out_dir, name), *run))
+    return found
+
+
+def nearest_checkpoint(out_dir, method, target):
+    """The router checkpoint under out_dir whose trained target is nearest `target` (stage 2 before
+    stage 1, then the lower target on a tie), or a CheckpointError naming the command that trains one."""
+    found = [(abs(t - target), -stage, t, path) for path, m, t, stage in router_checkpoints(out_dir) if m == method]
+    if not found:
+        raise CheckpointError(f"no {method} router checkpoint in {out_dir}/ to dial to sparsity {target:g}; "
+                              f"train one with: python train.py --method {method} --sparsity {target:g}")
+    return min(found)[3]
+
+
+# ----------------------------------------------------------------------------------------------------
+# a checkpoint dialled to any sparsity, the offsets cached in its dial.json
+
+
+def load_dialled(path, target=None, attn_target=None, ffn_target=None, *, windows, device="cpu",
+                 dtype=torch.float32, block_size=128):
+    """A router checkpoint dialled to a sparsity: (model, wcfg, dial). At the checkpoint's own target the
+    offsets calibrated in training are used; otherwise the raw routers are calibrated and the offsets
+    cached in PATH/dial.json (written atomically). dial: {"offsets", "targets", "source"}.
+
+    windows(tokenizer, block_size, n, seed) -> [n, block_size] token ids: the calibration windows (e.g.
+    data.dial_windows, the training plays), made only when the cache does not hold these targets."""
+    model, wcfg = load_wide(path, device=device, dtype=dtype, dial=False)
+    if wcfg.method == "layerskip" and attn_target is not None:
+        raise CheckpointError(f"{path!r} is a layer-skip checkpoint: give --sparsity, not attention/FFN targets")
+    own = ((attn_target, ffn_target) == (wcfg.attn_target, wcfg.ffn_target) if attn_target is not None
+           else wcfg.attn_target is None and target == wcfg.target)
+    targets = dict(attn=attn_target, ffn=ffn_target) if attn_target is not None else dict(sparsity=target)
+    if own and wcfg.offsets:
+        fold_offsets(model, wcfg.offsets)
+        return model, wcfg, dict(offsets=wcfg.offsets, targets=targets, source="calibrated in training (wide.json)")
+    if own and wcfg.offsets is None and target is not None:  # a checkpoint from before the dial: as trained
+        return model, wcfg, dict(offsets=None, targets=targets, source="routers as trained: this checkpoint has no calibrated dial")
+    key = " ".join(f"{k}={v:g}" for k, v in targets.items()) + f" windows={CALIB_WINDOWS}x{block_size}"
+    cache = os.path.join(path, "dial.json")
+    saved = read_dial_cache(cache)
+    if key in saved:
+        offsets, source = saved[key]["offsets"], f"cached in {cache}"
+    else:
+        x = windows(load_tokenizer(path), block_size, CALIB_WINDOWS, CALIB_SEED).to(device)
+        offsets, realized = calibrate(model, x, target, attn_target, ffn_target)
+        saved[key] = dict(offsets=offsets, realized_on_windows=realized)
+        calibrated = f"calibrated on {CALIB_WINDOWS} training windows"
+        written = write_dial_cache(cache, saved)
+        source = f"{calibrated}, cached in {cache}" if written else f"{calibrated} (not cached: {path} is not writable)"
+    fold_offsets(model, offsets)
+    return model, wcfg, dict(offsets=offsets, targets=targets, source=source)
+
+
+def read_dial_cache(cache):
+    if not os.path.isfile(cache):
+        return {}
+    try:
+        with open(cache) as f:
+            return json.load(f)
+    except json.JSONDecodeError:
+        return {}  # a damaged cache is only a cache: calibrate again and rewrite it
+
+
+def write_dial_cache(cache, saved):
+    """Write to a temporary name and rename (a reader never sees half a file); False if not writable."""
+    try:
+        with open(cache + ".tmp", "w") as f:
+            json.dump(saved, f, indent=1)
+        os.replace(cache + ".tmp", cache)
+        return True
+    except OSError:
+        return False
