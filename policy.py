@@ -119,7 +119,7 @@ class Policy:
         elif attn_router is not None and (read_fp8 or (sparse_mn and M <= SMALL_M)):
             ops["qkv"] = Op("gemv", "Triton", w, ("gemv_mn_kernel",))
         elif attn_router is not None and sparse_mn:
-            ops["qkv"] = Op("tiles", "Triton", w, ("gemm_mn_kernel",))
+            ops["qkv"] = Op("tiles", "Triton + cuBLAS", w, ("gemm_mn_kernel",))
         else:
             ops["qkv"] = Op("cublas" if attn_router is None else "cublas_every_head", "cuBLAS", w)
         ops["rope"] = Op("rope", "Triton", kernels=("rope_kernel",))
