@@ -323,7 +323,7 @@ def texts(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = Transformer.config_from_dir(os.path.join(args.out_dir, "base"))  # one clear line if there is no trained model yet
+    cfg = Transformer.config_from_dir(os.path.join(args.out_dir, "base"))  # no trained model yet: one clear line
     x, y, calib = texts(args)
 
     dense_ppl, _ = score(base_model(args), x, y, args)

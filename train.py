@@ -384,7 +384,8 @@ def parser():
                    help="target(s) s*: for wide the mean of the attention and FFN skip rates")
     p.add_argument("--attn-sparsity", type=cli.fraction(), help="separate attention target (with --ffn-sparsity)")
     p.add_argument("--ffn-sparsity", type=cli.fraction(), help="separate FFN target (with --attn-sparsity)")
-    p.add_argument("--attn-group-size", type=cli.integer(0), default=0, help="query heads per decision (0 = one KV group)")
+    p.add_argument("--attn-group-size", type=cli.integer(0), default=0,
+                   help="query heads per decision (0 = one KV group)")
     p.add_argument("--ffn-group-size", type=count, default=32, help="intermediate channels per decision")
     p.add_argument("--rank", type=count, default=32, help="router bottleneck rank")
     p.add_argument("--lora-rank", type=count, default=16)
@@ -404,7 +405,8 @@ def parser():
     p.add_argument("--stage2-lr", type=positive, default=2e-4)
     p.add_argument("--grad-clip", type=positive, default=1.0)
     p.add_argument("--distill", type=cli.real(0), default=0.0, help="stage 2: add this weight times the KL "
-                   "divergence to the dense model's next-token distribution (an extension, not the paper's; off by default)")
+                   "divergence to the dense model's next-token distribution (an extension, not the paper's; "
+                   "off by default)")
     p.add_argument("--eval-interval", type=count, default=100)
     p.add_argument("--val-windows", type=count, default=64, help="held-out windows scored at each interval")
     p.add_argument("--retrain-base", action="store_true", help="pretrain again even if OUT/base exists")
