@@ -1,5 +1,6 @@
 import os
 import sys
+from types import SimpleNamespace
 
 # Without a GPU, Triton kernels run on the CPU through the Triton interpreter. The variable must be
 # set before triton is first imported, so it is decided here, before any test module loads.
@@ -86,6 +87,18 @@ def run_script(*args, timeout=300):
     import subprocess
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def stopped(capsys, main, *args):
+    """main(args) in this process, for a command line that must stop before any work (a bad flag):
+    its exit as run_script reports one (returncode, stdout, stderr), for assert_one_line_error.
+    Much faster than a subprocess; what it cannot see is the `if __name__ == "__main__"` wrapper."""
+    with pytest.raises(SystemExit) as stop:
+        main(list(args))
+    out, code = capsys.readouterr(), stop.value.code
+    # argparse prints its line and exits 2; cli.fail's line is the SystemExit's message (exit code 1)
+    message = code if isinstance(code, str) else ""
+    return SimpleNamespace(returncode=1 if message else code, stdout=out.out, stderr=out.err + message)
 
 
 def assert_one_line_error(result, *words):
