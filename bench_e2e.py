@@ -28,7 +28,7 @@ What each part measures:
            calibrated random routers: masks from a trained router, through generate().
 
 Routers: wide.Router with its own initialisation; each group's skip bias is shifted so that it skips
-half the tokens of a random prompt (calibrate_routers). Timing: CUDA events around N steps after a
+half the tokens of a random prompt (bench_common.calibrate_routers). Timing: CUDA events around N steps after a
 warm-up; --smoke times with the CPU clock (meaningless) and never writes under results/.
 """
 import argparse
@@ -40,31 +40,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+import bench_common
 import checkpoints
+import cli
 import engine
-import wide
-from bench_kernels import COPY_GBS, meta, need_device, out_prefix, save
+from bench_common import COPY_GBS, SMOKE, ModelRun, calibrate_routers, clock_ms, meta, random_model, save
 from generate import CUDAGraphDecoder, generate
 from wide import routers_off, routers_on
-from model import CheckpointError, ModelConfig, Transformer, rope_frequencies
+from model import CheckpointError
 
 
 @dataclass
-class Run:
-    """What one run measures, and on what: the Llama-3.1-8B shape on the GPU, or a tiny model (--smoke)."""
-    preset: str = "llama-3.1-8b"
-    config: dict = None               # instead of a preset: ModelConfig fields (--smoke)
-    ffn_group_size: int = 128
-    dtype: torch.dtype = torch.bfloat16
-    device: str = "cuda"
-    smoke: bool = False
+class Run(ModelRun):
+    """What one run measures (the rows below), on bench_common's model: the Llama-3.1-8B shape on the GPU,
+    or a tiny model (--smoke)."""
     prefill: int = 4096
     decode: list = field(default_factory=lambda: [(1, 1024), (1, 8192), (8, 1024), (32, 8192)])
     fp8_decode: list = field(default_factory=lambda: [(1, 1024), (1, 8192)])
     compile_context: int = 1024
     steps: int = 40                   # timed decode steps (half of it for batch x context > 64k)
     warmup: int = 3
-    calibrate_tokens: int = 1024
     small_preset: str = "small"
     small_tokens: tuple = (128, 128)  # prompt, new tokens
     small_batches: tuple = (1, 8)
@@ -74,53 +69,12 @@ def smoke_run():
     # One layer, 4 attention groups (2 heads of 16, one KV head each), 4 FFN groups of 32 channels.
     tiny = dict(vocab_size=128, dim=64, n_layers=1, n_heads=8, n_kv_heads=4, head_dim=16,
                 intermediate_size=128, max_seq_len=96)
-    return Run(config=tiny, ffn_group_size=32, dtype=torch.float32, device="cpu", smoke=True, prefill=32,
+    return Run(**SMOKE, config=tiny, prefill=32,
                decode=[(1, 24), (6, 24)], fp8_decode=[(1, 24)], compile_context=24, steps=2, warmup=1, calibrate_tokens=32,
                small_preset=None, small_tokens=(8, 3), small_batches=(2,))
 
 
-# ----------------------------------------------------------------------------------- the model
-def e2e_model(run, preset=None, max_seq_len=None):
-    """A preset's shape (or run.config) with random weights (std 0.02) and WIDE routers, built in place."""
-    cfg = ModelConfig(**run.config) if run.config and not preset else ModelConfig.from_name(preset or run.preset)
-    cfg.max_seq_len = max_seq_len or cfg.max_seq_len
-    torch.set_default_dtype(run.dtype)
-    try:
-        with torch.device("meta"):
-            m = Transformer(cfg)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    m.to_empty(device=run.device)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0.0, 0.02) if p.dim() == 2 else p.fill_(1.0)
-    m.inv_freq = rope_frequencies(cfg).to(run.device)
-    gs = run.ffn_group_size if cfg.intermediate_size % run.ffn_group_size == 0 else 32
-    wcfg = wide.WideConfig(ffn_group_size=gs)  # attention groups: one KV head's query heads
-    wide.install_routers(m, wcfg)              # routers stay fp32
-    return m.eval(), wcfg
-
-
-@torch.no_grad()
-def calibrate_routers(m, sparsity, tokens, passes=2):
-    """Shift each group's skip-logit bias so that the group skips `sparsity` of a random prompt's tokens
-    (the reference forward, model.py). Only the biases move. Two passes, since the later layers see
-    what the earlier layers' masks did."""
-    routers = list(wide.routers(m))
-    idx = torch.randint(0, m.config.vocab_size, (1, min(tokens, m.config.max_seq_len)),
-                        device=m.embed_tokens.weight.device)
-    for _ in range(passes):
-        seen = {}
-        hooks = [r.register_forward_hook(lambda mod, a, out: seen.__setitem__(mod, a[0])) for r in routers]
-        m(idx)
-        for h in hooks:
-            h.remove()
-        for r, x in seen.items():
-            z = r.logits(x).reshape(-1, r.n_groups, 2).float()
-            d = z[..., 1] - z[..., 0]  # skip iff d > 0
-            r.up.bias.view(-1, 2)[:, 1] -= torch.quantile(d, 1 - sparsity, dim=0)
-
-
+# ----------------------------------------------------------------------------------- bytes a step reads
 def weight_bytes(m):
     # What a decode step must read once: every weight except the embedding table (one row per token),
     # which is read in full when it doubles as the head.
@@ -145,20 +99,6 @@ def wide_bytes(m, batch, context, masks):
 # ----------------------------------------------------------------------------------- timing
 def fmt_row(r, skip=("gpu", "torch", "triton")):
     return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items() if k not in skip)
-
-
-def clock_ms(run, fn, n):
-    """ms per call of fn(n) doing n steps: CUDA events on the GPU, the CPU clock with --smoke."""
-    if run.smoke:
-        t = time.perf_counter()
-        fn(n)
-        return (time.perf_counter() - t) * 1e3 / n
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    fn(n)
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) / n
 
 
 class EagerDecoder:
@@ -187,7 +127,7 @@ def time_prefill(run, e, T, reps=5):
     pos, last = torch.arange(T, device=run.device), torch.tensor([T - 1], device=run.device)
     step = lambda n: [e(idx, input_pos=pos, logits_at=last) for _ in range(n)]
     step(1 if run.smoke else 2)
-    times = sorted(clock_ms(run, step, 1) for _ in range(1 if run.smoke else reps))
+    times = sorted(clock_ms(run.smoke, step, 1) for _ in range(1 if run.smoke else reps))
     e.clear_caches()
     return times[len(times) // 2]
 
@@ -208,7 +148,7 @@ def time_decode(run, e, batch, context, steps):
             state["token"] = step(state["token"], pos).argmax(-1, keepdim=True)
             pos.add_(1)
     go(run.warmup)
-    ms = clock_ms(run, go, steps)
+    ms = clock_ms(run.smoke, go, steps)
     masks = None
     if step.masks:  # float [B, 1, G] per layer, rewritten by every replay
         kinds = ("attn", "ffn")
@@ -244,7 +184,7 @@ def time_compiled(run, m, context, steps):
     t = time.perf_counter()
     go(run.warmup)
     compile_s = time.perf_counter() - t
-    ms = clock_ms(run, go, steps)
+    ms = clock_ms(run.smoke, go, steps)
     m.clear_caches()
     return ms, compile_s
 
@@ -336,17 +276,24 @@ def compile_row(run, m, rows, log):
                 compiled_GBps=nbytes / c_ms / 1e6, compile_s=round(compile_s, 1), bytes_per_step=nbytes)
 
 
+def trained_small_model(run, out_dir):
+    """The trained router checkpoint nearest 50% under out_dir: (model, source), or None if there is none."""
+    try:
+        path = checkpoints.nearest_checkpoint(out_dir, "wide", 0.5)
+        m, wcfg = checkpoints.load_wide(path, device=run.device, dtype=run.dtype)
+    except CheckpointError:
+        return None
+    return m, f"trained checkpoint {path} (stage {wcfg.stage})"
+
+
 @torch.no_grad()
 def small_rows(run, args):
     """Masks from a trained router where one exists: generate() with the small trained model."""
-    try:
-        if run.smoke:
-            raise SystemExit
-        path = checkpoints.nearest_checkpoint(args.small_dir, "wide", 0.5)
-        m, wcfg = checkpoints.load_wide(path, device=run.device, dtype=run.dtype)
-        source = f"trained checkpoint {path} (stage {wcfg.stage})"
-    except (SystemExit, CheckpointError):
-        m, wcfg = e2e_model(run, run.small_preset)
+    found = None if run.smoke else trained_small_model(run, args.small_dir)  # --smoke: the tiny model only
+    if found:
+        m, source = found
+    else:
+        m, _ = random_model(run, run.small_preset)
         calibrate_routers(m, 0.5, run.calibrate_tokens // 2)
         source = "random weights, calibrated random routers (no trained checkpoint found)"
     cfg, rows = m.config, []
@@ -484,41 +431,74 @@ def part_of(row):
     return {"prefill": "prefill", "decode fp8": "fp8", "decode (small model)": "small"}.get(row["phase"], "decode")
 
 
+def read_results(path):
+    """--append: the rows (and commands) of an earlier run's results file; one line if it is not one."""
+    if not os.path.exists(path):
+        return dict(rows=[], commands={}, command=None)
+    try:
+        with open(path) as f:
+            old = json.load(f)
+        assert isinstance(old["rows"], list) and old["command"]
+    except (ValueError, KeyError, TypeError, AssertionError):
+        cli.fail(f"--append: {path} is not a results file of this script; move it away or run without --append")
+    return old
+
+
+def merge(record, rows, old):
+    """record's rows: the old file's rows of the parts this run has not produced yet (a part that fails or
+    runs out of budget keeps its old rows), then this run's; each part names the command that measured it."""
+    new_parts = {part_of(r) for r in rows}
+    kept = [r for r in old["rows"] if part_of(r) not in new_parts]
+    record["rows"] = kept + rows
+    record["commands"] = {**{part_of(r): old.get("commands", {}).get(part_of(r), old["command"]) for r in kept},
+                          **{p: record["command"] for p in new_parts}}
+
+
+def e2e_meta(run, args, argv):
+    return meta(run.smoke, "bench_e2e.py", argv, copy_GBps=COPY_GBS, budget_s=args.budget_s,
+                policy=repr(engine.Policy()), rows=[],
+                model=f"{run.preset if not run.smoke else 'tiny (--smoke)'} shape, random {str(run.dtype)[6:]} "
+                      f"weights (std 0.02); attention groups = one KV head's query heads, FFN groups of "
+                      f"{run.ffn_group_size} channels",
+                routers="wide.Router (fp32, its own init); each group's skip bias shifted to skip half of a random "
+                        f"{run.calibrate_tokens}-token prompt's tokens (2 passes)",
+                timing="CUDA events; prefill: median of 5 forwards; decode: mean over N graph replays after "
+                       f"{run.warmup} warm-up steps")
+
+
+def model_rows(run, parts, add, rows, log):
+    """The parts measured on the 8B-shaped model (all but "small"), in the order of the README's table."""
+    longest = max([c for _, c in run.decode + run.fp8_decode] + [run.prefill, run.compile_context]) + run.steps + 64
+    m, _ = random_model(run, max_seq_len=longest)
+    calibrate_routers(m, 0.5, run.calibrate_tokens)
+    log(f"model ready: {weight_bytes(m) / 1e9:.2f} GB of weights read per decode step")
+    if "prefill" in parts:
+        add(lambda: prefill_row(run, m, run.prefill), f"prefill {run.prefill}")
+    for batch, context in run.decode if "decode" in parts else []:
+        add(lambda: decode_row(run, m, batch, context, log), f"decode batch {batch}, context {context}")
+        if "compile" in parts and (batch, context) == (1, run.compile_context):
+            add(lambda: compile_row(run, m, rows, log), "compile: dense engine vs torch.compile")
+    for batch, context in run.fp8_decode if "fp8" in parts else []:
+        add(lambda: fp8_row(run, m, batch, context, log), f"decode fp8 batch {batch}, context {context}")
+    if "compile" in parts and not any("compiled_ms" in r for r in rows):
+        add(lambda: compile_row(run, m, rows, log), "compile: dense engine vs torch.compile")
+
+
 def run_e2e(run, args, argv):
     t_start = time.time()
     log = lambda text: print(f"[{time.time() - t_start:5.0f}s] {text}", flush=True)
     # (--smoke runs the fp8 part when asked for it, --only fp8; its default set is the bf16 parts)
-    parts = args.only.split(",") if args.only else [p for p in PARTS if not (run.smoke and p == "fp8")]
-    record = meta(run, "bench_e2e.py", argv, copy_GBps=COPY_GBS, budget_s=args.budget_s,
-              policy=repr(engine.Policy()), rows=[],
-              model=f"{run.preset if not run.smoke else 'tiny (--smoke)'} shape, random {str(run.dtype)[6:]} "
-                    f"weights (std 0.02); attention groups = one KV head's query heads, FFN groups of "
-                    f"{run.ffn_group_size} channels",
-              routers="wide.Router (fp32, its own init); each group's skip bias shifted to skip half of a random "
-                      f"{run.calibrate_tokens}-token prompt's tokens (2 passes)",
-              timing="CUDA events; prefill: median of 5 forwards; decode: mean over N graph replays after "
-                     f"{run.warmup} warm-up steps")
-    rows, old = [], dict(rows=[], commands={}, command=None)  # this run's rows; --append: the file's
-    if args.append and os.path.exists(args.out + ".json"):
-        try:
-            with open(args.out + ".json") as f:
-                old = json.load(f)
-            assert isinstance(old["rows"], list) and old["command"]
-        except (ValueError, KeyError, TypeError, AssertionError):
-            sys.exit(f"error: --append: {args.out}.json is not a results file of this script; "
-                     "move it away or run without --append")
+    parts = args.only or [p for p in PARTS if not (run.smoke and p == "fp8")]
+    record = e2e_meta(run, args, argv)
+    rows = []  # this run's rows; --append: merged after the file's
+    old = read_results(args.out + ".json") if args.append else dict(rows=[], commands={}, command=None)
 
     def publish():
-        # The file's rows of a part stay until this run has produced rows of that part (a part that fails
-        # or runs out of budget keeps its old rows); each part names the command that measured it.
-        new_parts = {part_of(r) for r in rows}
-        kept = [r for r in old["rows"] if part_of(r) not in new_parts]
-        record["rows"] = kept + rows
-        record["commands"] = {**{part_of(r): old.get("commands", {}).get(part_of(r), old["command"]) for r in kept},
-                              **{p: record["command"] for p in new_parts}}
+        merge(record, rows, old)
         save(args.out, record, markdown(record))
 
     def add(make, label):
+        # One row (or list of rows), published as soon as it is measured.
         if time.time() - t_start > args.budget_s:
             log(f"{label}: skipped (time budget of {args.budget_s:.0f} s spent)")
             return
@@ -538,21 +518,7 @@ def run_e2e(run, args, argv):
         publish()
 
     if set(parts) - {"small"}:
-        longest = max([c for _, c in run.decode + run.fp8_decode] + [run.prefill, run.compile_context]) + run.steps + 64
-        m, _ = e2e_model(run, max_seq_len=longest)
-        calibrate_routers(m, 0.5, run.calibrate_tokens)
-        log(f"model ready: {weight_bytes(m) / 1e9:.2f} GB of weights read per decode step")
-        if "prefill" in parts:
-            add(lambda: prefill_row(run, m, run.prefill), f"prefill {run.prefill}")
-        for batch, context in run.decode if "decode" in parts else []:
-            add(lambda: decode_row(run, m, batch, context, log), f"decode batch {batch}, context {context}")
-            if "compile" in parts and (batch, context) == (1, run.compile_context):
-                add(lambda: compile_row(run, m, rows, log), "compile: dense engine vs torch.compile")
-        for batch, context in run.fp8_decode if "fp8" in parts else []:
-            add(lambda: fp8_row(run, m, batch, context, log), f"decode fp8 batch {batch}, context {context}")
-        if "compile" in parts and not any("compiled_ms" in r for r in rows):
-            add(lambda: compile_row(run, m, rows, log), "compile: dense engine vs torch.compile")
-        del m
+        model_rows(run, parts, add, rows, log)  # (the 8B-shaped model is freed when it returns)
     if "small" in parts:
         if not run.smoke:
             torch.cuda.empty_cache()
@@ -563,35 +529,43 @@ def run_e2e(run, args, argv):
     return record
 
 
+# ----------------------------------------------------------------------------------- the command line
+def parts_list(text):
+    """--only: comma-separated parts, each one of PARTS."""
+    parts = [x for x in text.split(",") if x]
+    bad = [x for x in parts if x not in PARTS]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"{text!r}: the parts are {', '.join(PARTS)}")
+    return parts
+
+
+def decode_rows(text):
+    """--decode: rows as BATCHxCONTEXT, comma-separated, each a whole number >= 1."""
+    try:
+        rows = [tuple(int(v) for v in bc.lower().split("x")) for bc in text.split(",")]
+        assert all(len(bc) == 2 and min(bc) > 0 for bc in rows)
+    except (ValueError, AssertionError):
+        raise argparse.ArgumentTypeError(f"{text!r}: give rows as BATCHxCONTEXT, e.g. 1x1024,32x8192")
+    return rows
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="", help=f"comma-separated parts to run, of: {', '.join(PARTS)} (default all)")
-    p.add_argument("--decode", default="", help="decode rows as BxC,BxC (default 1x1024,1x8192,8x1024,32x8192)")
-    p.add_argument("--budget-s", type=float, default=420, help="start no new row after this many seconds (default "
-                   "420: the default set then ends within about 8 minutes on an H200)")
+    p = bench_common.parser(__doc__, "e2e_h200")
+    p.add_argument("--only", type=parts_list, default=None,
+                   help=f"comma-separated parts to run, of: {', '.join(PARTS)} (default all)")
+    p.add_argument("--decode", type=decode_rows, default=None,
+                   help="decode rows as BxC,BxC (default 1x1024,1x8192,8x1024,32x8192)")
+    p.add_argument("--budget-s", type=cli.real(0, lo_open=True), default=420, help="start no new row after this "
+                   "many seconds (default 420: the default set then ends within about 8 minutes on an H200)")
     p.add_argument("--small-dir", default="out", help="where to look for a trained router checkpoint")
-    p.add_argument("--out", default=None, help="output path prefix for .json/.md (default results/e2e_h200; "
-                   "--smoke: a temporary folder)")
-    p.add_argument("--smoke", action="store_true", help="a tiny fp32 model on the CPU under TRITON_INTERPRET=1: "
-                   "runs every part, row builder and writer; times nothing meaningful")
     p.add_argument("--append", action="store_true", help="keep the rows of the parts not run from the --out file")
     args = p.parse_args(argv)
-    bad = [x for x in args.only.split(",") if x and x not in PARTS]
-    if bad:
-        sys.exit(f"error: --only {','.join(bad)}: the parts are {', '.join(PARTS)}")
-    need_device(args, "bench_e2e.py", argv)
+    bench_common.prepare(args, "bench_e2e.py", argv, "e2e_h200")
     run = smoke_run() if args.smoke else Run()
-    if args.decode:
-        try:
-            run.decode = [tuple(int(v) for v in bc.lower().split("x")) for bc in args.decode.split(",")]
-            assert all(len(bc) == 2 and min(bc) > 0 for bc in run.decode)
-        except (ValueError, AssertionError):
-            sys.exit(f"error: --decode {args.decode!r}: give rows as BATCHxCONTEXT, e.g. 1x1024,32x8192")
-    args.out = out_prefix(args, "e2e_h200")
-    torch.manual_seed(0)
+    run.decode = args.decode or run.decode
     return run_e2e(run, args, argv)
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -2,9 +2,10 @@
 Kernel speed: every WIDE op against the best dense op we can build, Llama-3.1-8B shapes, bf16.
 
   python bench_kernels.py              # correctness at every sparsity, then timings -> results/kernels_h200.{json,md}
-  python bench_kernels.py tune         # block-size sweep (passed to the ops as config=) -> results/kernels_h200_tune.{json,md}
   python bench_kernels.py --only gate  # only the ops whose name contains "gate"
   TRITON_INTERPRET=1 python bench_kernels.py --smoke   # the same code on the CPU: tiny fp32 shapes (CI)
+
+The block-size sweep over the same cases is bench_tune.py.
 
 The protocol (BENCH.md), step by step for every op:
  1) Correctness first, at every sparsity that is then timed (all groups on, 25%, 50%, 75% skipped):
@@ -19,28 +20,23 @@ The protocol (BENCH.md), step by step for every op:
     SwiGLU), one fused QKV GEMM, SDPA with its default backend for attention (flash reported too). Sparse times include everything the sparse
     path needs: the layout (mask reordering) and the zeroing of pruned outputs.
  4) The sparse kernel with every group on: the ratio to dense shows kernel quality, the ratio to its
-    own sparse runs shows how well skipping turns into time. (bench_e2e.py imports the helpers below.)
+    own sparse runs shows how well skipping turns into time. (bench_tune.py times the cases below.)
 """
-import argparse
-import datetime
 import functools
-import json
 import math
-import os
 import sys
-import tempfile
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
 
+import bench_common
+import cli
 import kernels
+from bench_common import COPY_GBS, MATMUL_TFLOPS, bench_ms, graph_ms, meta, save
 from kernels_attention import (attention_decode, attention_decode_ref, attention_prefill,
                                attention_prefill_ref)
 
-COPY_GBS, MATMUL_TFLOPS = 4220, 692  # measured H200 ceilings: device-to-device copy, bf16 matmul 8192^3
 DECODE_TOKENS = kernels.SMALL_M      # rows with at most this many tokens are decode-sized: judged on graphs
 
 
@@ -80,41 +76,7 @@ def smoke_setup():
                  decode_l=64, dtype=torch.float32, device="cpu", l2_bytes=8 << 10, smoke=True)
 
 
-# ----------------------------------------------------------------------------------- timing helpers
-def bench_ms(s, fn):
-    """Median ms of fn(): do_bench on the GPU (L2 flushed between repetitions); --smoke: one call."""
-    if s.smoke:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def graph_ms(s, fns, reps=20):
-    """ms per call of fns[0..n-1] (each on its own copy of the data), captured in one CUDA graph and
-    replayed `reps` times after a warm-up outside the graph (Triton compiles, cuBLAS picks kernels).
-    --smoke: the same calls eagerly, once."""
-    if s.smoke:
-        t = time.perf_counter()
-        [f() for f in fns]
-        return (time.perf_counter() - t) * 1e3 / len(fns)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        [f() for f in fns]
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        [f() for f in fns]
-    g.replay()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    [g.replay() for _ in range(reps)]
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) / reps / len(fns)
-
-
+# ----------------------------------------------------------------------------------- masks and errors
 def rand_mask(s, shape, sparsity):
     # Uniformly random (token, group) decisions, exactly round((1 - sparsity) * n) active (True = runs).
     n = math.prod(shape)
@@ -124,42 +86,6 @@ def rand_mask(s, shape, sparsity):
 def rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
 
-
-def meta(s, script, argv, **more):
-    """What every results file records: GPU, versions, date, the exact command."""
-    gpu = "CPU (--smoke, Triton interpreter: times are meaningless)" if s.smoke else torch.cuda.get_device_name()
-    return dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command=" ".join(["python", script] + list(argv)), smoke=s.smoke, **more)
-
-
-def out_prefix(args, default):
-    """Where results go: results/<default> on a GPU; a fresh temporary folder with --smoke, never results/."""
-    if not args.smoke:
-        return args.out or os.path.join("results", default)
-    if args.out and os.path.abspath(args.out).startswith(os.path.abspath("results") + os.sep):
-        sys.exit("error: --smoke never writes under results/; leave --out out or point it elsewhere")
-    return args.out or os.path.join(tempfile.mkdtemp(prefix="wide-smoke-"), default)
-
-
-def save(prefix, data, markdown):
-    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
-    with open(prefix + ".json", "w") as f:
-        json.dump(data, f, indent=1)
-    with open(prefix + ".md", "w") as f:
-        f.write(markdown)
-
-
-def need_device(args, script, argv):
-    """One clear line when the run cannot happen here (the e2e script shares it)."""
-    if args.smoke and not kernels.INTERPRET:
-        sys.exit(f"error: --smoke runs the kernels in the Triton interpreter: "
-                 f"TRITON_INTERPRET=1 python {script} {' '.join(argv)}")
-    if not args.smoke and kernels.INTERPRET:
-        sys.exit("error: TRITON_INTERPRET=1 is set, so the kernels would run in the interpreter: unset it, or add --smoke")
-    if not args.smoke and not torch.cuda.is_available():
-        sys.exit(f"error: {script} times kernels on a CUDA GPU; on a CPU, check that the code runs with "
-                 f"TRITON_INTERPRET=1 python {script} --smoke")
 
 
 # ----------------------------------------------------------------------------------- op cases
@@ -396,19 +322,19 @@ def check(case, mask, config=None):
 def measure(s, case):
     """The rows of one case: one per timed sparsity, all checked first, dense and all-active shared."""
     run = lambda mask: [functools.partial(case.sparse, mask, i) for i in range(case.copies)]
-    dense = {name: bench_ms(s, fns[0]) for name, fns in case.dense.items()}
-    dense_graph = {name: graph_ms(s, fns) for name, fns in case.dense.items()} if case.decode else {}
+    dense = {name: bench_ms(s.smoke, fns[0]) for name, fns in case.dense.items()}
+    dense_graph = {name: graph_ms(s.smoke, fns) for name, fns in case.dense.items()} if case.decode else {}
     full = rand_mask(s, case.mask_shape, 0.0)
     full_check = check(case, full)
-    all_ms = bench_ms(s, run(full)[0])
-    all_graph_ms = graph_ms(s, run(full)) if case.decode else None
+    all_ms = bench_ms(s.smoke, run(full)[0])
+    all_graph_ms = graph_ms(s.smoke, run(full)) if case.decode else None
     best = min(case.baseline, key=dense.get)
     rows = []
     for sp in s.sparsities:
         mask = rand_mask(s, case.mask_shape, sp)
         active = mask.float().mean().item()
         ok = check(case, mask)
-        sparse_ms = bench_ms(s, run(mask)[0])
+        sparse_ms = bench_ms(s.smoke, run(mask)[0])
         share = 1 - case.prunable + case.prunable * active  # of the dense op's bytes (or FLOPs) still needed
         row = dict(op=case.op, tokens=case.tokens, batch=case.batch, context=case.context, sparsity=sp,
                    realized_active=round(active, 4), timing="cuda_graph" if case.decode else "do_bench",
@@ -422,7 +348,7 @@ def measure(s, case):
                 row[f"speedup_vs_{name}"] = ms / sparse_ms
         judged_dense, judged_sparse = dense[best], sparse_ms
         if case.decode:
-            sparse_graph = graph_ms(s, run(mask))
+            sparse_graph = graph_ms(s.smoke, run(mask))
             row.update(dense_graph_ms=dense_graph[best], sparse_graph_ms=sparse_graph,
                        graph_speedup=dense_graph[best] / sparse_graph, all_active_graph_ms=all_graph_ms,
                        reuse_bytes=round((case.copies - 1) * share * case.bytes), l2_bytes=s.l2_bytes)
@@ -514,7 +440,7 @@ def run_kernels(s, args, argv):
             torch.cuda.empty_cache()
     about = ABOUT.format(dtype=str(s.dtype).replace("torch.", ""), D=s.D, H=s.H, HKV=s.HKV, HD=s.HD, FFN=s.FFN,
                          dt=DECODE_TOKENS, l2=s.l2_bytes / 2 ** 20, copy=COPY_GBS, mm=MATMUL_TFLOPS)
-    m = meta(s, "bench_kernels.py", argv, about=about, configs=kernels.CONFIGS, l2_MB=s.l2_bytes / 2 ** 20,
+    m = meta(s.smoke, "bench_kernels.py", argv, about=about, configs=kernels.CONFIGS, l2_MB=s.l2_bytes / 2 ** 20,
              ceilings=dict(copy_GBps=COPY_GBS, bf16_matmul_TFLOPs=MATMUL_TFLOPS))
     md = markdown(s, m, rows)
     save(args.out, dict(meta=m, rows=rows), md)
@@ -522,32 +448,18 @@ def run_kernels(s, args, argv):
     return rows
 
 
-# ----------------------------------------------------------------------------------- tuning
-# CONFIGS key -> (case, block-size variants). Each variant goes to the op as config= (and block_m to the
-# layout); kernels.CONFIGS itself is never changed, and its current entry is always timed first. Copy a
-# winner into kernels.py by hand.
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="kernels", choices=["kernels", "tune"])
-    p.add_argument("--only", default="", help="only the ops (or, with tune, CONFIGS keys) whose name contains this")
-    p.add_argument("--out", default=None, help="output path prefix for .json/.md (default results/kernels_h200; "
-                   "--smoke: a temporary folder)")
-    p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU under TRITON_INTERPRET=1: "
-                   "runs every check and writer, times nothing meaningful")
+    p = bench_common.parser(__doc__, "kernels_h200")
+    p.add_argument("--only", default="", help="only the ops whose name contains this")
     args = p.parse_args(argv)
-    need_device(args, "bench_kernels.py", argv)
-    args.out = out_prefix(args, "kernels_h200")
+    bench_common.prepare(args, "bench_kernels.py", argv, "kernels_h200")
     s = smoke_setup() if args.smoke else gpu_setup()
-    torch.manual_seed(0)
     try:
-        if args.what == "tune":
-            from bench_tune import run_tune  # (it imports this file's cases)
-            return run_tune(s, args, argv)
         return run_kernels(s, args, argv)
     except CheckFailed as e:
-        sys.exit(f"error: correctness check failed, nothing timed past it: {e}")
+        cli.fail(f"correctness check failed, nothing timed past it: {e}")
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -2,20 +2,28 @@
 The block-size sweep behind kernels.CONFIGS: every variant of a kernel's sizes checked (all groups on and
 50% skipped) and timed as bench_kernels.py times that op (decode-sized ops on CUDA-graph replay).
 
-    python bench_kernels.py tune              # every CONFIGS key below -> results/kernels_h200_tune.{json,md}
-    python bench_kernels.py tune --only fp8   # only the keys whose name contains "fp8"
+    python bench_tune.py              # every CONFIGS key below -> results/kernels_h200_tune.{json,md}
+    python bench_tune.py --only fp8   # only the keys whose name contains "fp8"
+    TRITON_INTERPRET=1 python bench_tune.py --smoke   # each key's first and last variant on the CPU (CI)
 
 The variants are passed to the ops as config= (CONFIGS itself is never rewritten); a key's first row is
 its current setting. fp8 keys time the same op on e4m3 weights (kernels.quantize_fp8); their dense
 column is still the bf16 cuBLAS op, so their speedup is against bf16.
 """
 import functools
+import sys
 
+import bench_common
+import cli
 import kernels
-from bench_kernels import (bench_ms, case_decode_attention, case_gate_up, case_k, case_prefill_attention, case_q,
-                           check, graph_ms, meta, rand_mask, save)
+from bench_common import bench_ms, graph_ms, meta, save
+from bench_kernels import (case_decode_attention, case_gate_up, case_k, case_prefill_attention, case_q, check,
+                           gpu_setup, rand_mask, smoke_setup)
 
 
+# CONFIGS key -> (case, block-size variants). Each variant goes to the op as config= (and block_m to the
+# layout); kernels.CONFIGS itself is never changed, and its current entry is always timed first. Copy a
+# winner into CONFIGS by hand.
 def tune_table(s):
     M, FFN = s.prefill_m, s.FFN
     v = lambda warps, stages, **sizes: dict(sizes, num_warps=warps, num_stages=stages)
@@ -60,11 +68,12 @@ def run_tune(s, args, argv):
             continue
         case = factory()
         half, full = rand_mask(s, case.mask_shape, 0.5), rand_mask(s, case.mask_shape, 0.0)
-        time_it = ((lambda mask, cfg: graph_ms(s, [functools.partial(case.sparse, mask, i, cfg)
-                                                   for i in range(case.copies)]))
-                   if case.decode else (lambda mask, cfg: bench_ms(s, functools.partial(case.sparse, mask, 0, cfg))))
+        time_it = ((lambda mask, cfg: graph_ms(s.smoke, [functools.partial(case.sparse, mask, i, cfg)
+                                                         for i in range(case.copies)]))
+                   if case.decode else
+                   (lambda mask, cfg: bench_ms(s.smoke, functools.partial(case.sparse, mask, 0, cfg))))
         dense_fns = case.dense[case.baseline[0]]
-        dense_ms = graph_ms(s, dense_fns) if case.decode else bench_ms(s, dense_fns[0])
+        dense_ms = graph_ms(s.smoke, dense_fns) if case.decode else bench_ms(s.smoke, dense_fns[0])
         print(f"{key} ({case.op}, {case.tokens} tokens): dense {dense_ms * 1e3:.1f} us, "
               f"current {kernels.CONFIGS[key.split()[0]]}", flush=True)
         results[key] = dict(op=case.op, tokens=case.tokens, timing="cuda_graph" if case.decode else "do_bench",
@@ -83,7 +92,7 @@ def run_tune(s, args, argv):
                 results[key]["variants"].append(dict(config=v, failed=f"{type(e).__name__}: {str(e)[:200]}"))
                 print(f"  {v}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         del case
-    m = meta(s, "bench_kernels.py", argv, l2_MB=s.l2_bytes / 2 ** 20)
+    m = meta(s.smoke, "bench_tune.py", argv, l2_MB=s.l2_bytes / 2 ** 20)
     lines = [f"# Block-size sweep on {m['gpu']}", "", f"torch {m['torch']}, triton {m['triton']}, {m['date']}, "
              f"`{m['command']}`. 50% of groups skipped; decode-sized ops timed on CUDA-graph replay.", "",
              "| CONFIGS key | op | tokens | config | us | speedup | all groups on, us |", "|---|---|---|---|---|---|---|"]
@@ -92,6 +101,19 @@ def run_tune(s, args, argv):
             cells = ("failed", "", "") if "failed" in v else (f"{v['ms'] * 1e3:.1f}", f"{v['speedup']:.2f}x",
                                                                f"{v['all_active_ms'] * 1e3:.1f}")
             lines.append(f"| {key} | {r['op']} | {r['tokens']} | `{v['config']}` | " + " | ".join(cells) + " |")
-    save(args.out + "_tune", dict(meta=m, results=results), "\n".join(lines) + "\n")
-    print("\n".join(lines) + f"\n\nwritten: {args.out}_tune.json, {args.out}_tune.md")
+    save(args.out, dict(meta=m, results=results), "\n".join(lines) + "\n")
+    print("\n".join(lines) + f"\n\nwritten: {args.out}.json, {args.out}.md")
     return results
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = bench_common.parser(__doc__, "kernels_h200_tune")
+    p.add_argument("--only", default="", help="only the CONFIGS keys whose name contains this")
+    args = p.parse_args(argv)
+    bench_common.prepare(args, "bench_tune.py", argv, "kernels_h200_tune")
+    return run_tune(smoke_setup() if args.smoke else gpu_setup(), args, argv)
+
+
+if __name__ == "__main__":
+    cli.run(main)

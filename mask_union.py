@@ -2,17 +2,23 @@
 The mask union of trained routers, and the byte arithmetic of a decode step: why weight skipping does
 not survive batching and which router profile should win at which batch and context.
 
-    python serve.py union     # CPU: results/mask_union.{json,md,png} (this file's run_union)
+    python mask_union.py      # CPU: the trained routers under out/ -> results/mask_union.{json,md,png}
 
 A decode step over B tokens must read every weight group that any of them runs: the union of their
 masks. union_live measures it for our trained routers on held-out text against the bound for
 independent masks, 1 - s^B; step_bytes counts the bytes (weights and KV cache) dense and WIDE read
 per decode step at given skip rates, the speedup's byte limit.
 """
+import datetime
+import glob
 import os
+import platform
 import sys
 
 import torch
+
+import cli
+from bench_common import save
 
 
 def union_live(keep, B, trials, gen):
@@ -142,17 +148,18 @@ def plot_union(rec, path):
     plt.close(fig)
 
 
-def run_union(args, argv):
-    import glob
-    from bench_kernels import save
+def checkpoints(out_dir):
+    """The trained router checkpoints under out_dir: the three stage-2 targets, then any per-type ones."""
     names = ["wide-s0.5-stage2", "wide-s0.25-stage2", "wide-s0.75-stage2"]
-    paths = [os.path.join(args.out_dir, n) for n in names] + sorted(glob.glob(os.path.join(args.out_dir, "wide-a*-f*-stage*")))
-    paths = [p for p in paths if os.path.isfile(os.path.join(p, "wide.json"))]
+    paths = [os.path.join(out_dir, n) for n in names] + sorted(glob.glob(os.path.join(out_dir, "wide-a*-f*-stage*")))
+    return [p for p in paths if os.path.isfile(os.path.join(p, "wide.json"))]
+
+
+def run_union(args, argv):
+    paths = checkpoints(args.out_dir)
     if not paths:
-        sys.exit(f"error: no trained router checkpoint under {args.out_dir}/ (train one with: python train.py --sparsity 0.5)")
-    import datetime
-    import platform
-    rec = dict(command=" ".join(["python", "serve.py"] + list(argv)), trials=400,
+        cli.fail(f"no trained router checkpoint under {args.out_dir}/ (train one with: python train.py --sparsity 0.5)")
+    rec = dict(command=" ".join(["python", "mask_union.py"] + list(argv)), trials=400,
                device=f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)", torch=torch.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                checkpoints=mask_union(paths, (1, 2, 4, 8, 16, 32, 64)))
@@ -160,3 +167,18 @@ def run_union(args, argv):
     plot_union(rec, args.out + ".png")
     print(union_markdown(rec) + f"\nwritten: {args.out}.json, .md, .png")
     return rec
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = cli.parser(__doc__)
+    p.add_argument("--out-dir", default="out", help="where train.py wrote its checkpoints")
+    p.add_argument("--out", default=os.path.join("results", "mask_union"), help="output path prefix for "
+                   ".json/.md/.png (default results/mask_union)")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    return run_union(args, argv)
+
+
+if __name__ == "__main__":
+    cli.run(main)

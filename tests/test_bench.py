@@ -1,13 +1,17 @@
 """The benchmark scripts keep working: each --smoke mode runs the whole benchmark code path (every
 correctness check, row builder and results writer) on tiny fp32 shapes in the Triton interpreter, and
 the JSON it writes has the fields that results/ promises. The timings of a smoke run mean nothing;
-speed is measured on the GPU with `python bench_kernels.py` and `python bench_e2e.py`, never here."""
+speed is measured on the GPU with `python bench_kernels.py` and `python bench_e2e.py`, never here.
+Bad flags end in one line before the device check (in-process: they stop before any work)."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+import bench_common
+from conftest import assert_one_line_error, stopped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPARSITIES = {0.25, 0.5, 0.75}
@@ -20,8 +24,7 @@ def smoke(tmp_path, script, *args):
     r = subprocess.run([sys.executable, script, *args, "--smoke", "--out", out], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    prefix = out + ("_tune" if "tune" in args else "")
-    with open(prefix + ".json") as f, open(prefix + ".md") as g:
+    with open(out + ".json") as f, open(out + ".md") as g:
         return json.load(f), g.read()
 
 
@@ -99,16 +102,16 @@ def test_kernel_markdown_has_the_table_and_every_target(kernel_run):
 
 
 def test_tune_times_each_config_passed_to_the_op(tmp_path):
-    data, md = smoke(tmp_path, "bench_kernels.py", "tune", "--only", "attn_decode")
+    data, md = smoke(tmp_path, "bench_tune.py", "--only", "attn_decode")
     assert list(data["results"]) == ["attn_decode"]
     variants = data["results"]["attn_decode"]["variants"]
     assert len(variants) >= 2 and all("failed" not in v and v["ms"] > 0 and v["rel_err"] <= 1e-2 for v in variants)
     assert variants[0]["config"] == data["results"]["attn_decode"]["current"]  # today's CONFIGS entry first
-    assert "| attn_decode |" in md
+    assert "| attn_decode |" in md and data["meta"]["command"].startswith("python bench_tune.py")
 
 
 def test_tune_sweeps_the_fp8_keys_on_fp8_weights_with_an_fma_variant(tmp_path):
-    data, _ = smoke(tmp_path, "bench_kernels.py", "tune", "--only", "fp8")
+    data, _ = smoke(tmp_path, "bench_tune.py", "--only", "fp8")
     assert set(data["results"]) == {"gemv_mn_1_fused_fp8", "gemv_mn_1_fp8", "gemm_k_small_long_k_fp8", "gemm_k_small_fp8"}
     for key, r in data["results"].items():
         assert all("failed" not in v and v["rel_err"] <= 1e-2 for v in r["variants"]), key  # checked on fp8 codes
@@ -178,3 +181,25 @@ def test_e2e_append_onto_a_file_that_is_not_its_results_is_one_line(tmp_path):
                         str(tmp_path / "bench")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "--append" in r.stderr
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--budget-s", "-1"), ("--budget-s",)),
+    (("--budget-s", "nan"), ("--budget-s", "finite")),
+    (("--decode", "1x0"), ("--decode", "BATCHxCONTEXT")),
+    (("--decode", "8"), ("--decode", "BATCHxCONTEXT")),
+    (("--only", "decode,speed"), ("--only", "prefill, decode")),
+    (("--only", ","), ("--only",)),
+])
+def test_e2e_refuses_a_bad_flag_in_one_line_before_the_device_check(capsys, monkeypatch, flags, words):
+    import bench_e2e
+    monkeypatch.setattr(bench_common, "prepare", lambda *a: pytest.fail("the flags were not checked first"))
+    assert_one_line_error(stopped(capsys, bench_e2e.main, "--smoke", *flags), *words)
+
+
+@pytest.mark.parametrize("script", ["bench_kernels", "bench_tune", "bench_e2e", "bench_serve"])
+def test_smoke_without_the_interpreter_names_the_command_to_run(capsys, monkeypatch, script):
+    # (as on a GPU machine, where the tests run without TRITON_INTERPRET)
+    monkeypatch.setattr(bench_common.kernels, "INTERPRET", False)
+    main = __import__(script).main
+    assert_one_line_error(stopped(capsys, main, "--smoke"), f"TRITON_INTERPRET=1 python {script}.py --smoke")
