@@ -22,19 +22,18 @@ of different lengths (right-padded; each row decodes at its own positions).
 
 An empty prompt (--prompt "") starts from the end-of-text token, i.e. the model begins a new passage.
 """
-import argparse
 import os
-import sys
 import time
 
 import torch
 
 import checkpoints
+import cli
 import data
 import engine
 import wide
 from dial import describe_offsets
-from model import CheckpointError, Transformer, load_tokenizer
+from model import Transformer, load_tokenizer
 
 EOT = "<|endoftext|>"
 
@@ -197,30 +196,27 @@ def width_legend():
     return "width used to produce each token (share of prunable linear FLOPs): " + " ".join(parts)
 
 
-class OneLineErrors(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line on stderr (and exit code 2), not the whole usage text."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see python {self.prog} --help)\n")
-
-
-def main(argv=None):
-    p = OneLineErrors(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+# ----------------------------------------------------------------------------------- the command line
+def parse_args(argv):
+    """The flags, every number checked as it is read; then the checks that need several flags."""
+    p = cli.parser(__doc__)
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: out/base, or the "
                    "router checkpoint for --sparsity); ours or a local HF Llama directory")
-    p.add_argument("--sparsity", type=float, help="dial the routers trained for the nearest target to this sparsity")
-    p.add_argument("--attn-sparsity", type=float, help="dial attention and FFN separately (with --ffn-sparsity)")
-    p.add_argument("--ffn-sparsity", type=float, help="dial attention and FFN separately (with --attn-sparsity)")
+    p.add_argument("--sparsity", type=cli.fraction(), help="dial the routers trained for the nearest target to this "
+                   "sparsity")
+    p.add_argument("--attn-sparsity", type=cli.fraction(), help="dial attention and FFN separately (with --ffn-sparsity)")
+    p.add_argument("--ffn-sparsity", type=cli.fraction(), help="dial attention and FFN separately (with --attn-sparsity)")
     p.add_argument("--method", default="wide", choices=["wide", "layerskip"], help="with --sparsity")
     p.add_argument("--out-dir", default="out", help="where train.py wrote its checkpoints")
     p.add_argument("--show-width", action="store_true", help="colour each token by the width it used")
     p.add_argument("--prompt", action="append", help="the prompt (default ROMEO:); give it several times "
                    "for one batch of prompts of different lengths")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=200)
-    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt, generated together as one batch")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--max-new-tokens", type=cli.integer(1), default=200)
+    p.add_argument("--temperature", type=cli.real(0), default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=cli.integer(0), default=200, help="sample from the k likeliest tokens (0: all)")
+    p.add_argument("--num-samples", type=cli.integer(1), default=1, help="samples per prompt, generated together "
+                   "as one batch")
+    p.add_argument("--seed", type=cli.integer(0), default=1337)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
                    help="torch: dense-masked reference; triton: kernels.py skips the pruned work; "
@@ -231,85 +227,55 @@ def main(argv=None):
     p.add_argument("--compare-dense", action="store_true", help="also time the same generation with the "
                    "routers off (the dense model, same engine) and print both speeds")
     args = p.parse_args(argv)
-
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device != "cpu" and not (args.device == "cuda" or args.device.removeprefix("cuda:").isdigit()):
-        raise SystemExit(f"error: --device {args.device!r} is not a device this script runs on; use auto, cpu or cuda")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda was asked for but no CUDA GPU is visible; use --device cpu")
-    if args.temperature < 0 or args.max_new_tokens < 1 or args.num_samples < 1:
-        raise SystemExit("error: --temperature must be >= 0, --max-new-tokens and --num-samples >= 1")
-    if args.top_k is not None and args.top_k < 0:
-        raise SystemExit(f"error: --top-k {args.top_k} is negative; use a positive k, or 0 to sample from all tokens")
-    for flag in ("sparsity", "attn_sparsity", "ffn_sparsity"):
-        if getattr(args, flag) is not None and not 0.0 <= getattr(args, flag) < 1.0:
-            raise SystemExit(f"error: --{flag.replace('_', '-')} {getattr(args, flag)} is outside [0, 1)")
     if (args.attn_sparsity is None) != (args.ffn_sparsity is None) or (args.sparsity is not None and args.attn_sparsity is not None):
-        raise SystemExit("error: give --sparsity S, or --attn-sparsity A with --ffn-sparsity F, not a mix")
-
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        cli.fail("give --sparsity S, or --attn-sparsity A with --ffn-sparsity F, not a mix")
+    args.device = cli.pick_device(args.device)
     # The dial: the routers trained for the nearest target, offsets calibrated to the requested one.
-    dial_to = args.sparsity if args.attn_sparsity is None else (args.attn_sparsity + args.ffn_sparsity) / 2
+    args.dial_to = args.sparsity if args.attn_sparsity is None else (args.attn_sparsity + args.ffn_sparsity) / 2
+    return args
+
+
+def load(args):
+    """(path, model, wcfg, dial): the checkpoint the flags name, dialled when they ask for a sparsity.
+    wcfg and dial are None for a dense model (and dial for a router checkpoint at its trained width)."""
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     path = args.checkpoint
     if path is None:
-        path = (os.path.join(args.out_dir, "base") if dial_to is None
-                else checkpoints.nearest_checkpoint(args.out_dir, args.method, dial_to))
-    wcfg, dial = None, None
-    if os.path.isfile(os.path.join(path, "wide.json")) and dial_to is not None:
-        model, wcfg, dial = checkpoints.load_dialled(path, args.sparsity, args.attn_sparsity, args.ffn_sparsity,
-                                                     windows=data.dial_windows, device=args.device, dtype=dtype)
-    elif os.path.isfile(os.path.join(path, "wide.json")):
-        model, wcfg = checkpoints.load_wide(path, device=args.device, dtype=dtype)
-    else:
-        if dial_to is not None:
-            what = "is a dense model" if os.path.isdir(path) else "does not exist"
-            raise SystemExit(f"error: the sparsity dial needs a router checkpoint; {path} {what} "
-                             "(train one with: python train.py --sparsity 0.5)")
-        if args.show_width or args.compare_dense:
-            raise SystemExit(f"error: --{'show-width' if args.show_width else 'compare-dense'} needs a router "
-                             f"checkpoint; {path} is a dense model (add --sparsity 0.5)")
-        model = Transformer.from_pretrained(path, device=args.device, dtype=dtype)
-    forward = engine.select(model.eval(), args.backend, weights=args.weights)  # the one backend switch
-    backend = "triton" if isinstance(forward, engine.Engine) else "torch"
-    if args.weights == "fp8" and backend == "torch":
-        raise SystemExit("error: --weights fp8 runs on the Triton engine; add --backend triton (a CUDA GPU, "
-                         "or TRITON_INTERPRET=1 on a CPU)")
-    tok = load_tokenizer(path)
+        path = (os.path.join(args.out_dir, "base") if args.dial_to is None
+                else checkpoints.nearest_checkpoint(args.out_dir, args.method, args.dial_to))
+    routed = os.path.isfile(os.path.join(path, "wide.json"))
+    if routed and args.dial_to is not None:
+        return (path, *checkpoints.load_dialled(path, args.sparsity, args.attn_sparsity, args.ffn_sparsity,
+                                                windows=data.dial_windows, device=args.device, dtype=dtype))
+    if routed:
+        return (path, *checkpoints.load_wide(path, device=args.device, dtype=dtype), None)
+    if args.dial_to is not None:
+        what = "is a dense model" if os.path.isdir(path) else "does not exist"
+        cli.fail(f"the sparsity dial needs a router checkpoint; {path} {what} "
+                 "(train one with: python train.py --sparsity 0.5)")
+    if args.show_width or args.compare_dense:
+        cli.fail(f"--{'show-width' if args.show_width else 'compare-dense'} needs a router "
+                 f"checkpoint; {path} is a dense model (add --sparsity 0.5)")
+    return path, Transformer.from_pretrained(path, device=args.device, dtype=dtype), None, None
+
+
+def prompt_batch(args, tok, ctx):
+    """The prompts as one batch (each --num-samples times): (prompts, token rows, idx [B, P], lengths or
+    None). Prompts are right-padded to the longest; each row decodes from its own length."""
     prompts = [q for q in (args.prompt or ["ROMEO:"]) for _ in range(args.num_samples)]
     rows = [encode_prompt(tok, q) for q in prompts]
-    ctx, longest = model.config.max_seq_len, max(len(r) for r in rows)
+    longest = max(len(r) for r in rows)
     if longest > ctx:
-        raise SystemExit(f"error: the prompt is {longest} tokens, longer than the model's context of {ctx}")
+        cli.fail(f"the prompt is {longest} tokens, longer than the model's context of {ctx}")
     if longest + args.max_new_tokens > ctx:
-        raise SystemExit(f"error: {longest} prompt tokens + {args.max_new_tokens} new tokens exceed the "
-                         f"context of {ctx}; lower --max-new-tokens to {ctx - longest} or less")
-    # One batch: prompts right-padded to the longest; each row decodes from its own length.
+        cli.fail(f"{longest} prompt tokens + {args.max_new_tokens} new tokens exceed the "
+                 f"context of {ctx}; lower --max-new-tokens to {ctx - longest} or less")
     idx = torch.tensor([r + [0] * (longest - len(r)) for r in rows], device=args.device)
     lengths = None if len({len(r) for r in rows}) == 1 else [len(r) for r in rows]
+    return prompts, rows, idx, lengths
 
-    widths = []  # per generated token: the width of the forward pass that produced it (kept on device)
-    on_token = None
-    if wcfg is not None:
-        last = torch.tensor([len(r) - 1 for r in rows], device=args.device)
-        on_token = lambda i, token, masks: widths.append(token_widths(masks, model.config, wcfg, last if i == 0 else None))
-    gen = torch.Generator(device=args.device).manual_seed(args.seed)
-    timing = {}
-    t0 = clock(args.device)
-    out = generate(forward, idx, args.max_new_tokens, args.temperature, args.top_k, gen, on_token,
-                   lengths=lengths, timings=timing)
-    dt = clock(args.device) - t0
-    widths = [{k: v.cpu() for k, v in w.items()} for w in widths]
 
-    print(f"checkpoint: {path}" + (f" ({wcfg.method}, target {wide.trained_target(wcfg):g}, stage {wcfg.stage})" if wcfg else ""))
-    if dial:  # which offsets turned that checkpoint into the requested sparsity
-        target = " ".join(f"{k} {v:g}" for k, v in dial["targets"].items())
-        print(f"dial: {target}; offsets " + (describe_offsets(dial["offsets"]) if dial["offsets"] else "none")
-              + f" ({dial['source']})")
-    if backend == "triton":
-        print("backend triton; where each op runs:\n" + forward.policy.describe(args.weights))
-    if args.show_width:
-        print(width_legend())
+def print_samples(args, tok, model, prompts, rows, out, widths):
     for b, row in enumerate(out.tolist()):
         n_prompt = len(rows[b])
         prompt_text = "" if prompts[b] == "" else tok.decode(row[:n_prompt])
@@ -320,42 +286,87 @@ def main(argv=None):
         else:
             print(prompt_text + tok.decode(new))
         print("-" * 60)
+
+
+def print_realized(args, wcfg, widths):
+    """The mean width over every row's generated tokens, against the target the routers were dialled to."""
+    mean = {k: torch.stack([w[k] for w in widths]).mean().item() for k in widths[0]}
+    if wcfg.method == "wide":
+        target = args.dial_to if args.dial_to is not None else wide.trained_target(wcfg)
+        print(f"realized sparsity over generated tokens: attention {1 - mean['attn']:.1%}, "
+              f"FFN {1 - mean['ffn']:.1%} (target {target:g}); executed linear FLOPs {mean['flops']:.1%} of dense")
+    else:
+        target = args.dial_to if args.dial_to is not None else wcfg.target
+        print(f"realized layer skipping over generated tokens: {1 - mean['layer']:.1%} "
+              f"(target {target:g}); executed linear FLOPs {mean['flops']:.1%} of dense")
+
+
+def compare_dense(args, model, forward, backend, idx, lengths):
+    """--compare-dense: the same generation with the routers on and off, in the same engine."""
+    speed = {}
+    for name in ("WIDE", "dense"):
+        saved = wide.routers_off(model) if name == "dense" else None
+        try:  # the same run twice: the first compiles (Triton, cuDNN plans for these strides); time the second
+            generate(forward, idx, args.max_new_tokens, lengths=lengths)
+            t = {}
+            generate(forward, idx, args.max_new_tokens, args.temperature, args.top_k,
+                     torch.Generator(device=args.device).manual_seed(args.seed), lengths=lengths, timings=t)
+            speed[name] = t
+        finally:
+            if saved:
+                wide.routers_on(model, saved)
+    for name, t in speed.items():
+        label = "dense (routers off, same engine)" if name == "dense" else f"WIDE ({args.method})"
+        print(f"{label}: decode {t['decode_tokens'] / max(t['decode_s'], 1e-9):.1f} tokens/s, "
+              f"prefill {t['prefill_s'] * 1e3:.1f} ms")
+    w, d = (speed[k]["decode_tokens"] / max(speed[k]["decode_s"], 1e-9) for k in ("WIDE", "dense"))
+    print(f"WIDE / dense decode speed: {w / d:.2f}x "
+          f"(prefill {speed['dense']['prefill_s'] / max(speed['WIDE']['prefill_s'], 1e-9):.2f}x)")
+    if backend == "torch":
+        print("note: the torch backend is the dense-masked reference (it computes every group, then "
+              "zeroes the skipped ones), so it cannot be faster than dense; skipping becomes time "
+              "with --backend triton on a GPU")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    path, model, wcfg, dial = load(args)
+    forward = engine.select(model.eval(), args.backend, weights=args.weights)  # the one backend switch
+    backend = "triton" if isinstance(forward, engine.Engine) else "torch"
+    if args.weights == "fp8" and backend == "torch":
+        cli.fail("--weights fp8 runs on the Triton engine; add --backend triton (a CUDA GPU, "
+                 "or TRITON_INTERPRET=1 on a CPU)")
+    tok = load_tokenizer(path)
+    prompts, rows, idx, lengths = prompt_batch(args, tok, model.config.max_seq_len)
+
+    widths = []  # per generated token: the width of the forward pass that produced it (kept on device)
+    on_token = None
+    if wcfg is not None:
+        last = torch.tensor([len(r) - 1 for r in rows], device=args.device)
+        on_token = lambda i, token, masks: widths.append(token_widths(masks, model.config, wcfg, last if i == 0 else None))
+    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    t0 = clock(args.device)
+    out = generate(forward, idx, args.max_new_tokens, args.temperature, args.top_k, gen, on_token, lengths=lengths)
+    dt = clock(args.device) - t0
+    widths = [{k: v.cpu() for k, v in w.items()} for w in widths]
+
+    print(f"checkpoint: {path}" + (f" ({wcfg.method}, target {wide.trained_target(wcfg):g}, stage {wcfg.stage})" if wcfg else ""))
+    if dial:  # which offsets turned that checkpoint into the requested sparsity
+        target = " ".join(f"{k} {v:g}" for k, v in dial["targets"].items())
+        print(f"dial: {target}; offsets " + (describe_offsets(dial["offsets"]) if dial["offsets"] else "none")
+              + f" ({dial['source']})")
+    if backend == "triton":
+        print("backend triton; where each op runs:\n" + forward.describe(*idx.shape))
+    if args.show_width:
+        print(width_legend())
+    print_samples(args, tok, model, prompts, rows, out, widths)
     n = args.max_new_tokens * len(rows)
     where = f"{args.device}, backend {backend}" + (", CUDA graph" if args.device.startswith("cuda") else "")
     print(f"{n} tokens in {dt:.2f}s: {n / dt:.1f} tokens/s (batch {len(rows)}, {where})")
     if wcfg is not None:
-        mean = {k: torch.stack([w[k] for w in widths]).mean().item() for k in widths[0]}
-        if wcfg.method == "wide":
-            print(f"realized sparsity over generated tokens: attention {1 - mean['attn']:.1%}, "
-                  f"FFN {1 - mean['ffn']:.1%} (target {dial_to if dial_to is not None else wide.trained_target(wcfg):g}); "
-                  f"executed linear FLOPs {mean['flops']:.1%} of dense")
-        else:
-            print(f"realized layer skipping over generated tokens: {1 - mean['layer']:.1%} "
-                  f"(target {dial_to if dial_to is not None else wcfg.target:g}); executed linear FLOPs {mean['flops']:.1%} of dense")
+        print_realized(args, wcfg, widths)
     if args.compare_dense:
-        speed = {}
-        for name in ("WIDE", "dense"):
-            saved = wide.routers_off(model) if name == "dense" else None
-            try:  # the same run twice: the first compiles (Triton, cuDNN plans for these strides); time the second
-                generate(forward, idx, args.max_new_tokens, lengths=lengths)
-                t = {}
-                generate(forward, idx, args.max_new_tokens, args.temperature, args.top_k,
-                         torch.Generator(device=args.device).manual_seed(args.seed), lengths=lengths, timings=t)
-                speed[name] = t
-            finally:
-                if saved:
-                    wide.routers_on(model, saved)
-        for name, t in speed.items():
-            label = "dense (routers off, same engine)" if name == "dense" else f"WIDE ({args.method})"
-            print(f"{label}: decode {t['decode_tokens'] / max(t['decode_s'], 1e-9):.1f} tokens/s, "
-                  f"prefill {t['prefill_s'] * 1e3:.1f} ms")
-        w, d = (speed[k]["decode_tokens"] / max(speed[k]["decode_s"], 1e-9) for k in ("WIDE", "dense"))
-        print(f"WIDE / dense decode speed: {w / d:.2f}x "
-              f"(prefill {speed['dense']['prefill_s'] / max(speed['WIDE']['prefill_s'], 1e-9):.2f}x)")
-        if backend == "torch":
-            print("note: the torch backend is the dense-masked reference (it computes every group, then "
-                  "zeroes the skipped ones), so it cannot be faster than dense; skipping becomes time "
-                  "with --backend triton on a GPU")
+        compare_dense(args, model, forward, backend, idx, lengths)
 
 
 def token_widths(masks, cfg, wcfg, at=None):
@@ -380,8 +391,4 @@ def prunable_share(model, w, b):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    cli.run(main)
