@@ -21,8 +21,15 @@ Where to look for the rest:
               compute, skipped work zeroed). Every Block appends the masks its routers returned to the
               `masks` dict of Transformer.forward; skip_rates and last_width read that dict.
   kernels_layout.py  "The line that builds the layout" (mask reordering: each group's active tokens
-              made contiguous); kernels.py "dead tile" (a tile no token of its group runs returns
-              before any load); engine.py, the Triton path that runs it all.
+              made contiguous).
+  kernels.py, kernels_attention.py  the lines marked "WIDE skip:", where skipped work is never done:
+              the decode GEMV's live-group list (gemm_mn reads only the weight rows of groups some token
+              of the step runs), gemm_k's live groups (only their weight columns are read), the dead-tile
+              exits of gemm_mn and prefill attention (a tile no token of its group runs returns before
+              any load), and decode attention's KV-head skip (a row's KV head whose query-head groups are
+              all off is never read). tests/test_skipped_work.py records every load and checks it.
+  policy.py, engine.py  which op runs where for each step's shape (Policy.plan), and the Triton path
+              that runs the plan.
   dial.py     the sparsity dial: per-(layer, router type) offsets on the skip-minus-execute gap, calibrated
               so that deterministic routing realizes a requested sparsity (any S from one checkpoint).
   checkpoints.py  router checkpoints (the dense weights + router / LoRA tensors + wide.json), the run
