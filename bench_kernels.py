@@ -448,13 +448,19 @@ def run_kernels(s, args, argv):
     return rows
 
 
-def main(argv=None):
+def command_line(doc, script, results, only, argv=None):
+    """The command line of this script and bench_tune.py (--only, --out, --smoke), checked, then the device
+    check: (args, argv, the Setup to run)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = bench_common.parser(__doc__, "kernels_h200")
-    p.add_argument("--only", default="", help="only the ops whose name contains this")
+    p = bench_common.parser(doc, results)
+    p.add_argument("--only", default="", help=f"only the {only} whose name contains this")
     args = p.parse_args(argv)
-    bench_common.prepare(args, "bench_kernels.py", argv, "kernels_h200")
-    s = smoke_setup() if args.smoke else gpu_setup()
+    bench_common.prepare(args, script, argv, results)
+    return args, argv, smoke_setup() if args.smoke else gpu_setup()
+
+
+def main(argv=None):
+    args, argv, s = command_line(__doc__, "bench_kernels.py", "kernels_h200", "ops", argv)
     try:
         return run_kernels(s, args, argv)
     except CheckFailed as e:

@@ -11,14 +11,12 @@ its current setting. fp8 keys time the same op on e4m3 weights (kernels.quantize
 column is still the bf16 cuBLAS op, so their speedup is against bf16.
 """
 import functools
-import sys
 
-import bench_common
 import cli
 import kernels
 from bench_common import bench_ms, graph_ms, meta, save
 from bench_kernels import (case_decode_attention, case_gate_up, case_k, case_prefill_attention, case_q, check,
-                           gpu_setup, rand_mask, smoke_setup)
+                           command_line, rand_mask)
 
 
 # CONFIGS key -> (case, block-size variants). Each variant goes to the op as config= (and block_m to the
@@ -107,12 +105,8 @@ def run_tune(s, args, argv):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    p = bench_common.parser(__doc__, "kernels_h200_tune")
-    p.add_argument("--only", default="", help="only the CONFIGS keys whose name contains this")
-    args = p.parse_args(argv)
-    bench_common.prepare(args, "bench_tune.py", argv, "kernels_h200_tune")
-    return run_tune(smoke_setup() if args.smoke else gpu_setup(), args, argv)
+    args, argv, s = command_line(__doc__, "bench_tune.py", "kernels_h200_tune", "CONFIGS keys", argv)
+    return run_tune(s, args, argv)
 
 
 if __name__ == "__main__":
