@@ -11,7 +11,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SMALL_M = 16  # at most this many tokens: the decode (GEMV) paths, no layout needed
 LONG_K = 8192  # decode gemm_k with at least this reduction length splits its groups over programs
 
-# Block sizes. Hand-picked on an H200 (bench_kernels.py tune); the interpreter gets tiny fixed ones.
+# Block sizes. Hand-picked on an H200 (python bench_tune.py); the interpreter gets tiny fixed ones.
 # Read-only: a caller that wants other sizes (the tuning sweep) passes `config=` to the op.
 CONFIGS = {
     "block_m": 128,  # layout tile (gemm_mn token tile, gemm_k atomic token tile)
