@@ -124,12 +124,7 @@ class Policy:
             ops["qkv"] = Op("cublas" if attn_router is None else "cublas_every_head", "cuBLAS", w)
         ops["rope"] = Op("rope", "Triton", kernels=("rope_kernel",))
         ops["attention"] = self.attention_op(shape, attn_router)
-        if read_fp8:
-            ops["o"] = Op("gemm_k" if attn_router is not None else "gemm_k_all", "Triton", w, ("gemm_k_kernel",))
-        elif attn_router is not None and sparse_k:
-            ops["o"] = Op("gemm_k", "Triton", w, ("gemm_k_kernel",))
-        else:
-            ops["o"] = Op("cublas" if attn_router is None else "cublas_masked_input", "cuBLAS", w)
+        ops["o"] = reduction_op(attn_router, read_fp8, sparse_k, w)
         ops["ffn_norm"] = self.norm_op(M, ffn_router)
         if read_fp8:
             ops["gate_up"] = Op("gemv_fused" if ffn_router is not None else "gemv_fused_all", "Triton", w,
@@ -141,12 +136,7 @@ class Policy:
             ops["gate_up"] = Op("tiles_fused", "Triton", w, ("gemm_mn_kernel",))
         else:
             ops["gate_up"] = Op("cublas_masked" if ffn_router is not None else "cublas", "cuBLAS", w)
-        if read_fp8:
-            ops["down"] = Op("gemm_k" if ffn_router is not None else "gemm_k_all", "Triton", w, ("gemm_k_kernel",))
-        elif ffn_router is not None and sparse_k:
-            ops["down"] = Op("gemm_k", "Triton", w, ("gemm_k_kernel",))
-        else:
-            ops["down"] = Op("cublas" if ffn_router is None else "cublas_masked_input", "cuBLAS", w)
+        ops["down"] = reduction_op(ffn_router, read_fp8, sparse_k, w)
         return {name: ops[name] for name in LAYER_OPS if name in ops}
 
     def norm_op(self, M, router):
@@ -171,6 +161,14 @@ class Policy:
         if self.dense_chunk_attention == "triton":
             return Op("prefill_every", "Triton", kernels=("attn_prefill_kernel",))
         return Op("sdpa_rows", "SDPA")
+
+
+def reduction_op(router, read_fp8, sparse_k, w):
+    """O or down: gemm_k over the live groups (fp8 codes: also the dense model, every group live), or
+    cuBLAS on the masked input."""
+    if read_fp8 or (router is not None and sparse_k):
+        return Op("gemm_k" if router is not None else "gemm_k_all", "Triton", w, ("gemm_k_kernel",))
+    return Op("cublas" if router is None else "cublas_masked_input", "cuBLAS", w)
 
 
 class Plan(NamedTuple):
