@@ -227,7 +227,8 @@ def parse_args(argv):
     p.add_argument("--compare-dense", action="store_true", help="also time the same generation with the "
                    "routers off (the dense model, same engine) and print both speeds")
     args = p.parse_args(argv)
-    if (args.attn_sparsity is None) != (args.ffn_sparsity is None) or (args.sparsity is not None and args.attn_sparsity is not None):
+    per_type = args.attn_sparsity is not None
+    if per_type != (args.ffn_sparsity is not None) or (per_type and args.sparsity is not None):
         cli.fail("give --sparsity S, or --attn-sparsity A with --ffn-sparsity F, not a mix")
     args.device = cli.pick_device(args.device)
     # The dial: the routers trained for the nearest target, offsets calibrated to the requested one.
