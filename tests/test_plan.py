@@ -3,8 +3,9 @@
 `Policy.plan(shape, routers)` is the one place that decides where each op of a step runs. These tests run
 steps of several shapes through the engine under the launch recorder (conftest.py) and assert that the
 Triton kernels that launched are exactly the ones the plan lists: decode at batch 1 and 8, a prefill of
-2048 tokens (past Policy.sparse_prefill_min_tokens), a later chunk of a prompt, the dense model, and fp8
-weights. A plan the engine is handed is followed, and the text generate.py prints comes from the plan.
+1024 tokens (Policy.sparse_prefill_min_tokens, where gemm_mn's sorted tiles take over), a later chunk of a
+prompt, the dense model, and fp8 weights. (The thresholds themselves, 2048 and 4096 tokens included,
+are checked on the plan alone.) A plan the engine is handed is followed, and the text generate.py prints comes from the plan.
 """
 from collections import Counter
 
@@ -18,7 +19,7 @@ from test_e2e import DEV, wide_model
 SHAPES = {  # name -> (routers, weights, batch, tokens per row, chunk start or None for a decode step)
     "decode B1": (True, "bf16", 1, 1, None),
     "decode B8": (True, "bf16", 8, 1, None),
-    "prefill 2048": (True, "bf16", 32, 64, 0),
+    "prefill 1024": (True, "bf16", 16, 64, 0),  # Policy.sparse_prefill_min_tokens: gemm_mn's sorted tiles
     "later chunk": (True, "bf16", 2, 24, 40),
     "dense decode B1": (False, "bf16", 1, 1, None),
     "dense later chunk": (False, "bf16", 2, 24, 40),
@@ -46,7 +47,7 @@ def run_step(e, m, B, T, start):
 def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread):
     routers, weights, B, T, start = SHAPES[name]
     m = wide_model(routers=routers)
-    if name == "prefill 2048":  # 32 rows of 64: 2048 tokens in one step, a small cache per row; one layer
+    if name == "prefill 1024":  # 16 rows of 64: 1024 tokens in one step, a small cache per row; one layer
         m.config.max_seq_len = 64  # (the interpreter pays per program, and a layer's plan is a layer's plan)
         m.layers = m.layers[:1]
     e = engine.Engine(m, weights=weights)
@@ -60,7 +61,7 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
     kinds = {op.kind for op in plan.layers[0].values()}
     expected = {"decode B1": {"gemv", "gemv_fused", "gemm_k", "decode_live", "norm_route"},
                 "decode B8": {"cublas_every_head", "cublas_masked", "cublas_masked_input", "decode_live"},
-                "prefill 2048": {"layout", "tiles", "tiles_fused", "prefill_live", "cublas_masked_input"},
+                "prefill 1024": {"layout", "tiles", "tiles_fused", "prefill_live", "cublas_masked_input"},
                 "later chunk": {"layout", "prefill_live", "cublas_every_head", "cublas_masked"},
                 "dense decode B1": {"cublas", "decode_every", "norm"},
                 "dense later chunk": {"cublas", "prefill_every"},
@@ -83,7 +84,8 @@ def test_the_thresholds_move_ops_between_triton_and_cublas():
     routed = [("wide", "wide")]
     where = lambda tokens, decode, op: p.plan(policy.Shape(tokens, decode), routed).layers[0][op].runs
     assert [where(M, True, "o") for M in (1, 4, 5, 16)] == ["Triton", "Triton", "cuBLAS", "cuBLAS"]
-    assert [where(M, False, "qkv") for M in (64, 1023, 1024)] == ["cuBLAS", "cuBLAS", "Triton + cuBLAS"]
+    assert [where(M, False, "qkv") for M in (64, 1023, 1024, 2048)] == ["cuBLAS", "cuBLAS"] + ["Triton + cuBLAS"] * 2
+    assert [where(M, False, "gate_up") for M in (1023, 2048, 4096)] == ["cuBLAS", "Triton", "Triton"]
     assert [where(M, False, "down") for M in (1024, 4096)] == ["cuBLAS", "cuBLAS"]  # gemm_k cannot skip in prefill
     assert where(64, True, "attn_norm") == "Triton" and where(65, True, "attn_norm") == "Triton + torch"
     dense = p.plan(policy.Shape(1, True), [(None, None)]).layers[0]
