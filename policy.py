@@ -111,14 +111,15 @@ class Policy:
         w = "fp8" if read_fp8 else (f"fp8 -> {shape.dtype}" if shape.fp8 else shape.dtype)
         sparse_mn = M <= self.sparse_decode_max_tokens or M >= self.sparse_prefill_min_tokens
         sparse_k = M <= self.sparse_decode_max_tokens
+        q_tiles = attn_router is not None and sparse_mn and M > SMALL_M and not read_fp8
         ops = {"attn_norm": self.norm_op(M, attn_router)}
-        if attn_router is not None and not decode:  # prefill attention reads the layout (Q's tiles too)
+        if attn_router is not None and (not decode or q_tiles):  # prefill attention and Q's tiles read it
             ops["attn_layout"] = Op("layout", "Triton", kernels=LAYOUT)
         if read_fp8 and attn_router is None:
             ops["qkv"] = Op("gemv_all", "Triton", w, ("gemv_mn_kernel",))
         elif attn_router is not None and (read_fp8 or (sparse_mn and M <= SMALL_M)):
             ops["qkv"] = Op("gemv", "Triton", w, ("gemv_mn_kernel",))
-        elif attn_router is not None and sparse_mn:
+        elif q_tiles:
             ops["qkv"] = Op("tiles", "Triton + cuBLAS", w, ("gemm_mn_kernel",))
         else:
             ops["qkv"] = Op("cublas" if attn_router is None else "cublas_every_head", "cuBLAS", w)

@@ -14,11 +14,12 @@ import torch
 
 import engine
 import policy
-from test_e2e import DEV, wide_model
+from test_e2e import ALL_SPARSE, DEV, wide_model
 
 SHAPES = {  # name -> (routers, weights, batch, tokens per row, chunk start or None for a decode step)
     "decode B1": (True, "bf16", 1, 1, None),
     "decode B8": (True, "bf16", 8, 1, None),
+    "decode B20, all sparse": (True, "bf16", 20, 1, None),  # more rows than the GEMV takes: sorted tiles
     "prefill 1024": (True, "bf16", 16, 64, 0),  # Policy.sparse_prefill_min_tokens: gemm_mn's sorted tiles
     "later chunk": (True, "bf16", 2, 24, 40),
     "dense decode B1": (False, "bf16", 1, 1, None),
@@ -50,7 +51,7 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
     if name == "prefill 1024":  # 16 rows of 64: 1024 tokens in one step, a small cache per row; one layer
         m.config.max_seq_len = 64  # (the interpreter pays per program, and a layer's plan is a layer's plan)
         m.layers = m.layers[:1]
-    e = engine.Engine(m, weights=weights)
+    e = engine.Engine(m, ALL_SPARSE if "all sparse" in name else None, weights)
     with torch.no_grad():
         step = run_step(e, m, B, T, start)
         launches.clear()
@@ -61,6 +62,7 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
     kinds = {op.kind for op in plan.layers[0].values()}
     expected = {"decode B1": {"gemv", "gemv_fused", "gemm_k", "decode_live", "norm_route"},
                 "decode B8": {"cublas_every_head", "cublas_masked", "cublas_masked_input", "decode_live"},
+                "decode B20, all sparse": {"layout", "tiles", "tiles_fused", "gemm_k", "decode_live"},
                 "prefill 1024": {"layout", "tiles", "tiles_fused", "prefill_live", "cublas_masked_input"},
                 "later chunk": {"layout", "prefill_live", "cublas_every_head", "cublas_masked"},
                 "dense decode B1": {"cublas", "decode_every", "norm"},
