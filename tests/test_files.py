@@ -96,3 +96,14 @@ def test_every_file_is_readable_in_one_sitting(name):
     with open(os.path.join(ROOT, name + ".py")) as f:
         n = sum(1 for _ in f)
     assert n <= 600, f"{name}.py has {n} lines"
+
+
+def test_no_script_reads_a_numeric_flag_with_a_bare_int_or_float():
+    # cli.integer / cli.real / cli.fraction refuse "-3", "nan" or "1.5" in one line; a bare int or float
+    # lets an out-of-range value through to a traceback (or a silent nonsense run) later on.
+    for f in SCRIPTS + ["bench_common"]:
+        for node in ast.walk(tree(f)):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+                for kw in node.keywords:
+                    bare = kw.arg == "type" and isinstance(kw.value, ast.Name) and kw.value.id in ("int", "float")
+                    assert not bare, f"{f}.py:{node.lineno} reads a flag with type={kw.value.id}"
