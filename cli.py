@@ -82,12 +82,16 @@ def fraction():
     return real(0.0, 1.0, hi_open=True)
 
 
+SEED = integer(0, 2 ** 63 - 1)  # what torch.manual_seed takes
+
+
 def _range(lo, hi, lo_open=False, hi_open=False):
+    lo, hi = (v if v is None or isinstance(v, int) else f"{v:g}" for v in (lo, hi))
     if hi is None:
-        return f"{'>' if lo_open else '>='} {lo:g}"
+        return f"{'>' if lo_open else '>='} {lo}"
     if lo is None:
-        return f"{'<' if hi_open else '<='} {hi:g}"
-    return f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        return f"{'<' if hi_open else '<='} {hi}"
+    return f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
 
 
 def pick_device(name):

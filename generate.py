@@ -216,7 +216,7 @@ def parse_args(argv):
     p.add_argument("--top-k", type=cli.integer(0), default=200, help="sample from the k likeliest tokens (0: all)")
     p.add_argument("--num-samples", type=cli.integer(1), default=1, help="samples per prompt, generated together "
                    "as one batch")
-    p.add_argument("--seed", type=cli.integer(0), default=1337)
+    p.add_argument("--seed", type=cli.SEED, default=1337)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
                    help="torch: dense-masked reference; triton: kernels.py skips the pruned work; "

@@ -393,7 +393,7 @@ def parser():
     p.add_argument("--preset", default="tiny", help="model preset for base pretraining")
     p.add_argument("--out-dir", default="out", help="checkpoints go to OUT/base, OUT/<method>-s<target>-stage<n>")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (under torchrun: one GPU per process)")
-    p.add_argument("--seed", type=cli.integer(0), default=17)
+    p.add_argument("--seed", type=cli.SEED, default=17)
     p.add_argument("--batch-size", type=count, default=16,
                    help="sequences per optimizer step, in total (split over torchrun's processes)")
     p.add_argument("--block-size", type=count, default=128, help="training context in tokens")
