@@ -397,7 +397,7 @@ def _gemm_k_atomic_kernel(a, w, out32, counts, perm, work, M, N, NT, sam, swn,
     item = tl.load(work + tl.program_id(0))
     g, tile = item // NT, item % NT
     count = tl.load(counts + g)
-    if tile * BM >= count:  # dead tile: return before any load (WIDE skip, as in _gemm_mn_kernel)
+    if tile * BM >= count:  # dead tile: return before any load (as in _gemm_mn_kernel)
         return
     p = tile * BM + tl.arange(0, BM)
     ok = p < count

@@ -249,7 +249,7 @@ class Block(nn.Module):
 def is_wide_tensor(name):
     """A router or LoRA tensor, by its state_dict name: what wide.py adds to this model (the router slots
     above, LoRA's lora_A / lora_B). Not a Llama weight, so checkpoints carry these apart from the rest
-    and a Llama checkpoint loader leaves them to wide.py's side."""
+    and a Llama checkpoint loader leaves them to checkpoints.py's side."""
     return "router" in name or "lora_" in name
 
 
@@ -361,7 +361,7 @@ class Transformer(nn.Module):
             raise CheckpointError(f"{config_path} is not a valid Llama config ({type(e).__name__}: {e})") from None
 
     def load_dense_state(self, state, dtype=torch.float32, device="cpu"):
-        """Fill the model from HF-named tensors; extra keys (routers, LoRA) are left for wide.py."""
+        """Fill the model from HF-named tensors; extra keys (routers, LoRA) are left for checkpoints.py."""
         own = self.state_dict()
         missing = [k for k in own if f"model.{k}" not in state and k not in state
                    and not (k == "lm_head.weight" and self.lm_head is None)]
@@ -369,7 +369,7 @@ class Transformer(nn.Module):
             raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[0]!r}")
         # A tensor this model has no place for means a different architecture (biases, extra norms...):
         # refuse it rather than load a model with parts silently dropped. Routers and LoRA factors are
-        # wide.py's; old HF checkpoints store RoPE's inv_freq, and tied ones sometimes a copy of the head.
+        # checkpoints.py's; old HF checkpoints store RoPE's inv_freq, and tied ones sometimes a copy of the head.
         known = set(own) | {f"model.{k}" for k in own}
         unknown = [k for k in state if k not in known and not is_wide_tensor(k)
                    and not k.endswith("rotary_emb.inv_freq") and not (k == "lm_head.weight" and self.lm_head is None)]
@@ -435,7 +435,7 @@ def save_checkpoint(path, model, tokenizer=None, extra_tensors=None, extra_files
     tensors = {}
     for k, v in model.state_dict().items():
         if is_wide_tensor(k):
-            continue  # routers and LoRA factors are not Llama weights: wide.py passes them as extra_tensors
+            continue  # routers and LoRA factors are not Llama weights: checkpoints.save_wide passes them as extra_tensors
         k = k.replace(".base.weight", ".weight")  # a LoRA-wrapped projection keeps its frozen W as .base
         tensors["lm_head.weight" if k == "lm_head.weight" else f"model.{k}"] = v.detach().contiguous().cpu()
     tensors.update({k: v.detach().contiguous().cpu() for k, v in (extra_tensors or {}).items()})
