@@ -155,7 +155,7 @@ class Engine:
         """The plan of a step of `tokens` tokens (B * T) with the model's routers as they are now."""
         dtype = self.model.embed_tokens.weight.dtype
         shape = Shape(tokens, decode, start, {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16"),
-                      self.weights == "fp8")
+                      self.weights == "fp8", dense_ffn=decode and not self.model.routes_ffn(tokens, 1, True))
         routers = tuple((router_kind(l.attn_router), router_kind(l.ffn_router)) for l in self.model.layers)
         if (shape, routers) not in self.plans:
             self.plans[shape, routers] = self.policy.plan(shape, routers)
@@ -234,6 +234,8 @@ class Engine:
         mask [B, T, G] (True = the group runs; None without a router). The float mask goes into
         `masks` as the reference forward records it."""
         if op.kind == "norm":
+            if router is not None and masks is not None:  # the batch rule: every group ran, as the model records
+                masks.setdefault(kind, []).append(x.new_ones(*x.shape[:-1], router.n_groups, dtype=torch.float32))
             return rms_norm(x, norm, residual), None
         if op.kind == "norm_route":
             normed, keep, keepf = norm_route(x, norm, router, residual, self.ticket)

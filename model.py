@@ -230,17 +230,19 @@ class Block(nn.Module):
         self.ffn_router = None    # -> channel_mask [B, T, G_ffn]
         self.layer_router = None  # -> [B, T, 1] gate on both residual branches (layer-skip baseline)
 
-    def forward(self, x, cos, sin, attn_mask, input_pos, masks=None):
+    def forward(self, x, cos, sin, attn_mask, input_pos, masks=None, route_ffn=True):
         # Routers read the residual *before* the RMSNorm: the attention router sees the layer input,
         # the FFN router the residual after attention (as in the paper's code).
         head_mask = self.attn_router(x) if self.attn_router is not None else None
         gate = self.layer_router(x) if self.layer_router is not None else None
         a = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, input_pos, head_mask)
         h = x + (a if gate is None else a * gate)
-        channel_mask = self.ffn_router(h) if self.ffn_router is not None else None
+        channel_mask = ran = self.ffn_router(h) if self.ffn_router is not None and route_ffn else None
+        if self.ffn_router is not None and not route_ffn:  # the batch rule (Transformer.routes_ffn): the
+            ran = h.new_ones(*h.shape[:-1], self.ffn_router.n_groups, dtype=torch.float32)  # all ran
         f = self.mlp(self.post_attention_layernorm(h), channel_mask)
         if masks is not None:  # the decisions, for the sparsity bookkeeping (wide.skip_rates)
-            for kind, m in (("attn", head_mask), ("ffn", channel_mask), ("layer", gate)):
+            for kind, m in (("attn", head_mask), ("ffn", ran), ("layer", gate)):
                 if m is not None:
                     masks.setdefault(kind, []).append(m)
         return h + (f if gate is None else f * gate)
@@ -263,7 +265,20 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self.causal_mask = None  # built by setup_caches: row p says which cache slots position p may see
+        # The batch rule for FFN width: a decode step of more rows than this runs the whole FFN, its
+        # routers not asked. The union of that many tokens' channel masks already covers nearly every
+        # group (results/mask_union.md), so skipping could save no weight bytes and the router and masks
+        # would only cost time. A token then gets more FFN width than its router asked for, never less;
+        # attention keeps its per-row routing (its KV-head skip pays at any batch). None: always route.
+        # The Triton engine's plan follows the same rule (engine.Engine.plan), so the two stay equal.
+        self.ffn_router_max_decode_rows = 4
         self.apply(self._init_weights)
+
+    def routes_ffn(self, rows, tokens_per_row, cached):
+        """Whether a step asks its FFN routers: always, except a decode step (one token per row, with a
+        KV cache) of more rows than ffn_router_max_decode_rows."""
+        limit = self.ffn_router_max_decode_rows
+        return not (cached and tokens_per_row == 1 and limit is not None and rows > limit)
 
     def _init_weights(self, m):
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -319,11 +334,12 @@ class Transformer(nn.Module):
         else:
             attn_mask = None if input_pos is None else self.causal_mask[None, None, input_pos]
         x = self.embed_tokens(idx)
+        route_ffn = self.routes_ffn(B, T, input_pos is not None)
         for layer in self.layers:
             # A fresh dict per layer: FSDP2 rebuilds the containers in a layer's arguments that hold
             # tensors needing gradients, so a dict already holding earlier layers' masks would be a copy.
             got = None if masks is None else {}
-            x = layer(x, cos, sin, attn_mask, input_pos, got)
+            x = layer(x, cos, sin, attn_mask, input_pos, got, route_ffn)
             for kind, m in (got or {}).items():
                 masks.setdefault(kind, []).extend(m)
         if logits_at is not None:

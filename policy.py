@@ -28,6 +28,8 @@ class Shape(NamedTuple):
     start: int = 0         # a prefill chunk's first position (0: a whole prompt or its first chunk)
     dtype: str = "bf16"    # the model's dtype: "bf16", "fp16" or "fp32"
     fp8: bool = False      # Engine(weights="fp8"): the prunable linears' weights as e4m3 codes
+    dense_ffn: bool = False  # the batch rule for FFN width (model.Transformer.routes_ffn) turned this step's
+                             # FFN routers off: a decode step of many rows runs the whole FFN, as dense
 
 
 class Op(NamedTuple):
@@ -94,6 +96,8 @@ class Policy:
     def plan(self, shape, routers):
         """The whole step: routers is one (attn, ffn) pair per layer, each None (no router), "wide" (a
         wide.Router in fp32, which the fused kernel takes) or "other" (any other router module)."""
+        if shape.dense_ffn:  # nothing to skip: the batch's union of channel masks is (nearly) full
+            routers = [(a, None) for a, _ in routers]
         layers = [self.layer_plan(shape, a, f) for a, f in routers]
         step = {"step_embed": Op("embed", "torch")}
         if (not shape.decode and shape.start > 0 and self.dense_chunk_attention == "triton"
@@ -190,6 +194,9 @@ class Plan(NamedTuple):
                 "a prefill" + (f" chunk at position {s.start}" if s.start else ""))
         weights = "fp8 weights for the prunable linears" if s.fp8 else f"{s.dtype} weights"
         lines = [f"{what} of {s.tokens} token{'s' if s.tokens != 1 else ''}, {weights}:"]
+        if s.dense_ffn:
+            lines.append("  (the batch rule: a decode step of more rows than the model's ffn_router_max_decode_rows "
+                         "runs every FFN channel group; its routers are not asked)")
         groups = []  # (layer plan, [layer indices]) in first-seen order
         for i, ops in enumerate(self.layers):
             for plan, idx in groups:

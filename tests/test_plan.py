@@ -18,7 +18,8 @@ from test_e2e import ALL_SPARSE, DEV, wide_model
 
 SHAPES = {  # name -> (routers, weights, batch, tokens per row, chunk start or None for a decode step)
     "decode B1": (True, "bf16", 1, 1, None),
-    "decode B8": (True, "bf16", 8, 1, None),
+    "decode B8": (True, "bf16", 8, 1, None),  # the batch rule: the FFN runs dense, attention stays routed
+    "decode B8, FFN rule off": (True, "bf16", 8, 1, None),
     "decode B20, all sparse": (True, "bf16", 20, 1, None),  # more rows than the GEMV takes: sorted tiles
     "prefill 1024": (True, "bf16", 16, 64, 0),  # Policy.sparse_prefill_min_tokens: gemm_mn's sorted tiles
     "later chunk": (True, "bf16", 2, 24, 40),
@@ -51,6 +52,8 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
     if name == "prefill 1024":  # 16 rows of 64: 1024 tokens in one step, a small cache per row; one layer
         m.config.max_seq_len = 64  # (the interpreter pays per program, and a layer's plan is a layer's plan)
         m.layers = m.layers[:1]
+    if "rule off" in name or "all sparse" in name:  # routed FFN at more than 4 rows (model.routes_ffn)
+        m.ffn_router_max_decode_rows = None
     e = engine.Engine(m, ALL_SPARSE if "all sparse" in name else None, weights)
     with torch.no_grad():
         step = run_step(e, m, B, T, start)
@@ -61,7 +64,8 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
     assert launched == plan.launches(), f"{name}:\n{plan.text()}"
     kinds = {op.kind for op in plan.layers[0].values()}
     expected = {"decode B1": {"gemv", "gemv_fused", "gemm_k", "decode_live", "norm_route"},
-                "decode B8": {"cublas_every_head", "cublas_masked", "cublas_masked_input", "decode_live"},
+                "decode B8": {"cublas_every_head", "cublas", "cublas_masked_input", "decode_live", "norm"},
+                "decode B8, FFN rule off": {"cublas_every_head", "cublas_masked", "cublas_masked_input", "decode_live"},
                 "decode B20, all sparse": {"layout", "tiles", "tiles_fused", "gemm_k", "decode_live"},
                 "prefill 1024": {"layout", "tiles", "tiles_fused", "prefill_live", "cublas_masked_input"},
                 "later chunk": {"layout", "prefill_live", "cublas_every_head", "cublas_masked"},
@@ -71,6 +75,60 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
                 "fp8 dense decode B8": {"gemv_all", "gemv_fused_all", "gemm_k_all", "decode_every"},
                 "fp8 prefill": {"cublas_every_head", "prefill_live"}}[name]
     assert expected <= kinds, f"{name}: {kinds}"
+    if name == "decode B8":  # the FFN routers are not asked at all: no mask, no masked GEMM
+        assert "cublas_masked" not in kinds and plan.layers[0]["ffn_norm"].kind == "norm" and plan.shape.dense_ffn
+
+
+def decode_step_logits(forward, B, masks=None, seed=0, between=lambda: None):
+    # A prefill of 5 tokens per row, then (after `between`) one decode step at per-row positions 5: its logits.
+    gen = torch.Generator().manual_seed(seed)
+    forward.setup_caches(B)
+    forward(torch.randint(0, 96, (B, 5), generator=gen).to(DEV), input_pos=torch.arange(5, device=DEV))
+    between()
+    return forward(torch.randint(0, 96, (B, 1), generator=gen).to(DEV), input_pos=torch.full((B, 1), 5, device=DEV),
+                   masks=masks)
+
+
+def test_the_batch_rule_runs_the_whole_ffn_of_a_decode_step_of_many_rows():
+    # The reference (model.py): a decode step of more rows than ffn_router_max_decode_rows does not ask its
+    # FFN routers, so it equals the same model with the FFN routers removed for that step, and the masks
+    # it records say every group ran; at 4 rows the routers still decide. Prefill is never affected.
+    m = wide_model()
+    with torch.no_grad():
+        for B, ruled in ((8, True), (4, False)):
+            got = {}
+            out = decode_step_logits(m, B, got)
+            ffn_ran = torch.stack([g.float() for g in got["ffn"]])
+            assert bool(ffn_ran.eq(1).all()) == ruled, B
+            routers = [l.ffn_router for l in m.layers]
+            m.ffn_router_max_decode_rows = None  # route every step
+            routed = decode_step_logits(m, B)
+
+            def drop_ffn_routers():  # the same routed prefill, then a decode step without FFN routers
+                for l in m.layers:
+                    l.ffn_router = None
+            unrouted_ffn = decode_step_logits(m, B, between=drop_ffn_routers)
+            for l, r in zip(m.layers, routers):
+                l.ffn_router = r
+            m.ffn_router_max_decode_rows = 4
+            want = unrouted_ffn if ruled else routed
+            assert torch.allclose(out, want, atol=1e-5) and not torch.allclose(routed, unrouted_ffn, atol=1e-3), B
+        assert m.routes_ffn(8, 7, True) and m.routes_ffn(8, 1, False) and not m.routes_ffn(5, 1, True)
+
+
+@pytest.mark.parametrize("limit", [4, None])
+def test_the_engine_follows_the_batch_rule_of_its_model(limit, one_thread):
+    # Engine and reference agree at 8 rows with the rule on (FFN dense) and off (FFN routed, cuBLAS on the
+    # masked input), and record the same masks.
+    m, ref = wide_model(), wide_model()
+    m.ffn_router_max_decode_rows = ref.ffn_router_max_decode_rows = limit
+    got, want_masks = {}, {}
+    with torch.no_grad():
+        out = decode_step_logits(engine.Engine(m), 8, got)
+        want = decode_step_logits(ref, 8, want_masks)
+    assert torch.allclose(out, want, atol=1e-4, rtol=1e-4)
+    for kind in ("attn", "ffn"):
+        assert all(torch.equal(a.float(), b.float()) for a, b in zip(got[kind], want_masks[kind])), kind
 
 
 def test_an_fp8_step_reads_codes_only_where_the_plan_says():
