@@ -295,9 +295,9 @@ class Engine:
         q = rope_and_store(q, k, v, step, kc, vc, H, Hkv, d).view(B, T, H, d).transpose(1, 2)
         kind, S = ops["attention"].kind, step.start  # a prefill chunk at `start` sees the start + T keys before it
         if kind == "decode_live":
-            y = attention_decode(q, kc, vc, mask, step.kv_len)  # skips the K/V reads of idle KV heads
+            y = attention_decode(q, kc, vc, mask, step.kv_len, tickets=self.tickets)  # skips idle KV heads
         elif kind == "decode_every":
-            y = attention_decode(q, kc, vc, step.all_heads, step.kv_len)
+            y = attention_decode(q, kc, vc, step.all_heads, step.kv_len, tickets=self.tickets)
         elif kind == "decode_sdpa":
             y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=step.visible, enable_gqa=Hkv != H)
         elif kind == "prefill_live":

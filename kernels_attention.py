@@ -167,29 +167,57 @@ def attention_decode_ref(q, k_cache, v_cache, head_mask, kv_len):
 
 
 @triton.jit
-def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, G, NS, SPLIT,
-                        sqb, sqh, skb, skh, skt, svb, svh, svt, qk_scale,
-                        HPK: tl.constexpr, HPG: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                        D: tl.constexpr, IEEE: tl.constexpr):
-    """Split-KV decode attention (one query token), partial results per split.
+def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, NP, TARGET,
+                        sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
+                        HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, H2: tl.constexpr,
+                        BJ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                        IEEE: tl.constexpr):
+    """Split-KV decode attention (one query token per row) over a work list of live items only.
 
-    Grid (NS, Hkv, B). A program owns one KV head (its HPK query heads packed as rows, padded
-    to BH) and SPLIT cache positions of sequence b. If none of its query heads' groups is
-    active, it returns before reading anything: that KV head's K/V are never read (block skip).
-    Writes the normalised partial output and its log2-sum-exp; _attn_merge_kernel combines them.
-    Twin: attention_decode_ref.
+    The work is a list of items (row b, KV head, chunk of that row's cached keys), built in every
+    program from the head mask and kv_len (a few hundred values): pairs (b, KV head) none of whose query
+    heads run get no item, and each live pair's kv_len[b] keys are cut into chunks of CH keys, CH chosen
+    so that the whole step has about TARGET items. So the work spreads evenly over the GPU whatever the
+    mask and the rows' lengths (a skipped head or a short row costs no program), and only live K/V are
+    read. Grid (NP + B): programs 0..NP-1 take item pid if it exists; program NP + b writes the zeros of
+    row b's inactive heads. A program owns its KV head's HPK query heads as rows (padded to BH).
+    The merge is in the same launch: a pair cut into several chunks stores each chunk's normalised partial
+    and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (in chunk order,
+    so the result does not depend on which finished last) and resets the ticket. Twin: attention_decode_ref.
     """
-    s, hk, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid = tl.program_id(0)
+    dd = tl.arange(0, D)
+    if pid >= NP:  # row b's heads whose group does not run get exact zeros (O's cuBLAS GEMM reads them)
+        b = pid - NP
+        hh = tl.arange(0, H2)
+        on = tl.load(head_mask + b * G + hh // HPG, mask=hh < HKV * HPK, other=1)
+        tl.store(o + b * sob + hh[:, None] * soh + dd[None, :], tl.zeros([H2, D], o.dtype.element_ty),
+                 mask=(on == 0)[:, None])
+        return
+    j = tl.arange(0, BJ)  # pair j: row j // HKV, KV head j % HKV
+    jok = j < B * HKV
+    live = tl.zeros([BJ], tl.int32)
+    for r in tl.static_range(HPK):
+        live = live | tl.load(head_mask + (j // HKV) * G + ((j % HKV) * HPK + r) // HPG, mask=jok, other=0).to(tl.int32)
+    # WIDE skip: a KV head none of whose query-head groups runs for row b gets no work item, so its K/V
+    # are never read
+    n = tl.where(live > 0, tl.load(kv_len + j // HKV, mask=jok, other=0), 0)
+    ch = tl.maximum(tl.cdiv(tl.cdiv(tl.sum(n, 0), TARGET), BN), 1) * BN
+    cnt = tl.cdiv(n, ch)
+    cum = tl.cumsum(cnt, 0)
+    if pid >= tl.sum(cnt, 0):
+        return
+    pj = tl.sum((cum <= pid).to(tl.int32), 0)  # the pair this item belongs to
+    sel = j == pj
+    first = tl.sum(tl.where(sel, cum - cnt, 0), 0)
+    items = tl.sum(tl.where(sel, cnt, 0), 0)
+    end_all = tl.sum(tl.where(sel, n, 0), 0)
+    b, hk = pj // HKV, pj % HKV
+    start = (pid - first) * ch
+    end = tl.minimum(start + ch, end_all)
     r = tl.arange(0, BH)
     head = hk * HPK + r
-    act = tl.load(head_mask + b * G + head // HPG, mask=r < HPK, other=0) > 0
-    n = tl.load(kv_len + b)
-    start = s * SPLIT
-    # WIDE skip: a KV head none of whose query-head groups runs for row b returns before its K/V are read
-    if (tl.max(act.to(tl.int32), 0) == 0) | (start >= n):
-        return
-    end = tl.minimum(start + SPLIT, n)
-    dd = tl.arange(0, D)
+    act = (r < HPK) & (tl.load(head_mask + b * G + head // HPG, mask=r < HPK, other=0) > 0)
     qt = tl.load(q + b * sqb + head[:, None] * sqh + dd[None, :], mask=act[:, None], other=0.0)
     kb, vb = k + b * skb + hk * skh, v + b * svb + hk * svh
     acc = tl.zeros([BH, D], tl.float32)
@@ -203,35 +231,36 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, G, NS, SPLIT,
     for t0 in range(full, end, BN):
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
                                     BN, D, True, IEEE)
-    row = (b * G * HPG + head) * NS + s
-    tl.store(po + row[:, None] * D + dd[None, :], acc / l_i[:, None], mask=act[:, None])
-    tl.store(plse + row, m_i + tl.log2(l_i), mask=act)
-
-
-@triton.jit
-def _attn_merge_kernel(po, plse, head_mask, kv_len, o, G, NS, SPLIT, sob, soh,
-                       HPG: tl.constexpr, NSP: tl.constexpr, D: tl.constexpr):
-    """Merge the split-KV partials of one (sequence, query head); inactive heads get zeros.
-
-    Grid (H, B). Reads only the splits that hold keys (s*SPLIT < kv_len). Twin: attention_decode_ref.
-    """
-    h, b = tl.program_id(0), tl.program_id(1)
-    dd = tl.arange(0, D)
-    optr = o + b * sob + h * soh + dd
-    if tl.load(head_mask + b * G + h // HPG) == 0:
-        tl.store(optr, tl.zeros([D], o.dtype.element_ty))
+    optr = o + b * sob + head[:, None] * soh + dd[None, :]
+    if items == 1:  # the pair's keys in one chunk: nothing to merge
+        tl.store(optr, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=act[:, None])
         return
-    ss = tl.arange(0, NSP)
-    sok = (ss < NS) & (ss * SPLIT < tl.load(kv_len + b))
-    row = (b * G * HPG + h) * NS + ss
-    lse = tl.load(plse + row, mask=sok, other=float("-inf"))
-    wgt = tl.where(sok, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-    part = tl.load(po + row[:, None] * D + dd[None, :], mask=sok[:, None], other=0.0)
-    tl.store(optr, (tl.sum(wgt[:, None] * part, 0) / tl.sum(wgt, 0)).to(o.dtype.element_ty))
+    row = pid * HPK + r
+    tl.store(po + row[:, None] * D + dd[None, :], acc / l_i[:, None], mask=(r < HPK)[:, None])
+    tl.store(plse + row, m_i + tl.log2(l_i), mask=r < HPK)
+    tl.debug_barrier()  # this program's partial is stored before its ticket is taken (release)
+    if tl.atomic_add(tickets + pj, 1) != items - 1:
+        return
+    tl.atomic_xchg(tickets + pj, 0)  # the pair's last program: reset the ticket, then merge
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, D], tl.float32)
+    for it in range(first, first + items):
+        row = it * HPK + r
+        lse = tl.load(plse + row, mask=r < HPK, other=0.0, cache_modifier=".cg")
+        part = tl.load(po + row[:, None] * D + dd[None, :], mask=(r < HPK)[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        old, wgt = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+        acc = acc * old[:, None] + wgt[:, None] * part
+        l = l * old + wgt
+        m = m_new
+    tl.store(optr, (acc / l[:, None]).to(o.dtype.element_ty), mask=act[:, None])
 
 
-def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None):
-    """q[B,H,1,d], k/v cache [B,Hkv,L,d], head_mask [B,G], kv_len [B] -> [B,H,1,d]."""
+def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, tickets=None):
+    """q[B,H,1,d], k/v cache [B,Hkv,L,d], head_mask [B,G], kv_len [B] -> [B,H,1,d].
+    tickets: int32 zeros, at least B * Hkv, for the in-launch merge (the kernel leaves them zero, so a
+    caller, e.g. the engine's CUDA-graphed step, can keep one buffer); None allocates them."""
     check_device(q)
     B, H, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
@@ -239,24 +268,24 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None):
     assert H % G == 0 and H % Hkv == 0, "head_mask must be [B, G] with G | H"
     assert D >= 16 and D == triton.next_power_of_2(D), "head dim must be a power of two >= 16"
     cfg = config_for("attn_decode", config)
-    # Shorter splits when B * Hkv is small, so that the grid still fills the GPU (batch 1 has only
-    # Hkv programs per split); B * Hkv * L large enough keeps the tuned SPLIT.
-    split = max(cfg["BN"], min(cfg["SPLIT"], triton.next_power_of_2(
-        triton.cdiv(L * B * Hkv, 2 * num_sms(q.device)))))
-    ns = triton.cdiv(L, split)
-    hm = head_mask.contiguous().view(torch.uint8)
-    kv_len = kv_len.to(device=q.device, dtype=torch.int32)
-    po = empty((B, H, ns, D), torch.float32, q.device)
-    plse = empty((B, H, ns), torch.float32, q.device)
+    # About `target` items in a step (enough to fill the GPU a few times over); never more programs
+    # than items can exist: (B * Hkv pairs) x (chunks of BN keys), or target + one per pair (see kernel).
+    target = cfg["programs_per_sm"] * num_sms(q.device)
+    n_prog = min(B * Hkv + target, B * Hkv * triton.cdiv(L, cfg["BN"]))
     hpk = H // Hkv
-    _attn_decode_kernel[(ns, Hkv, B)](
-        q, k_cache, v_cache, hm, kv_len, po, plse, G, ns, split,
+    if tickets is None:
+        tickets = torch.zeros(B * Hkv, dtype=torch.int32, device=q.device)
+    assert tickets.numel() >= B * Hkv and tickets.dtype == torch.int32, "one int32 ticket per (row, KV head)"
+    po = empty((n_prog * hpk, D), torch.float32, q.device)
+    plse = empty((n_prog * hpk,), torch.float32, q.device)
+    o = empty((B, H, 1, D), q.dtype, q.device)
+    _attn_decode_kernel[(n_prog + B,)](
+        q, k_cache, v_cache, head_mask.contiguous().view(torch.uint8), kv_len.to(device=q.device, dtype=torch.int32),
+        po, plse, tickets, o, B, G, n_prog, target,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        (1.0 / math.sqrt(D)) * 1.4426950408889634, HPK=hpk, HPG=H // G,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
+        (1.0 / math.sqrt(D)) * 1.4426950408889634, HKV=Hkv, HPK=hpk, HPG=H // G,
+        H2=triton.next_power_of_2(H), BJ=max(2, triton.next_power_of_2(B * Hkv)),
         BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], D=D,
         IEEE=q.dtype == torch.float32, **launch_args(cfg))
-    o = empty((B, H, 1, D), q.dtype, q.device)
-    _attn_merge_kernel[(H, B)](po, plse, hm, kv_len, o, G, ns, split, o.stride(0), o.stride(1),
-                               HPG=H // G, NSP=max(2, triton.next_power_of_2(ns)), D=D)
     return o

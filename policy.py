@@ -54,8 +54,8 @@ KINDS = {
     "cublas_masked_input": "one cuBLAS GEMM on the masked input (exact: the pruned slots are zero)",
     "cublas_masked": "one cuBLAS GEMM, then the pruned channel groups zeroed (exact)",
     "rope": "RoPE + KV-cache write (rope_and_store)",
-    "decode_live": "per row, only the KV heads whose head group runs are read (attn_decode + merge)",
-    "decode_every": "each row's cache up to its length, every head (attn_decode + merge)",
+    "decode_live": "per row, only the KV heads whose head group runs are read (attn_decode's work list)",
+    "decode_every": "each row's cache up to its length, every head (attn_decode's work list)",
     "decode_sdpa": "SDPA over the whole cache with a length mask",
     "prefill_live": "the live (group, query-tile) items only (attn_prefill over the layout)",
     "prefill_every": "attn_prefill with every head on (a chunk after the first)",
@@ -79,7 +79,7 @@ NAMES = {"attn_norm": "attention norm", "attn_layout": "attention layout", "qkv"
          "step_head": "lm_head"}
 
 LAYOUT = ("layout_kernel", "worklist_kernel")
-DECODE_ATTENTION = ("attn_decode_kernel", "attn_merge_kernel")
+DECODE_ATTENTION = ("attn_decode_kernel",)  # the split merge runs in the same launch
 
 
 @dataclass(frozen=True)

@@ -203,7 +203,7 @@ def run_prefill(B, H, Hkv, T, D, G, p_on, causal, gen, lengths=None, start=0):
     assert (out[~keep] == 0).all(), "inactive (token, head group) outputs must be exactly zero"
 
 
-def run_decode(B, H, Hkv, L, D, G, p_on, lengths, gen):
+def run_decode(B, H, Hkv, L, D, G, p_on, lengths, gen, config=None):
     q, kc, vc = randn(B, H, 1, D, gen=gen), randn(B, Hkv, L, D, gen=gen), randn(B, Hkv, L, D, gen=gen)
     mask = make_mask((B, G), p_on, gen)
     kv_len = torch.tensor(lengths, device=DEV)
@@ -211,9 +211,11 @@ def run_decode(B, H, Hkv, L, D, G, p_on, lengths, gen):
     dead_kv = ~mask.repeat_interleave(H // G, 1).view(B, Hkv, H // Hkv).any(-1)
     kc_p, vc_p = kc.clone(), vc.clone()
     kc_p[dead_kv], vc_p[dead_kv] = float("nan"), float("nan")
-    out = kernels_attention.attention_decode(q, kc_p, vc_p, mask, kv_len)
+    tickets = torch.zeros(B * Hkv + 3, dtype=torch.int32, device=DEV)
+    out = kernels_attention.attention_decode(q, kc_p, vc_p, mask, kv_len, config=config, tickets=tickets)
     assert_close(out, kernels_attention.attention_decode_ref(q, kc, vc, mask, kv_len))
     assert (out[~mask.repeat_interleave(H // G, 1)] == 0).all()
+    assert (tickets == 0).all(), "the in-launch merge leaves its tickets zero for the next call"
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -247,6 +249,17 @@ def test_attention_prefill_all_groups_on_and_off(p_on):
 @pytest.mark.parametrize("p_on", [0.0, 0.5, 1.0])
 def test_attention_decode_skips_inactive_kv_heads(p_on):
     run_decode(3, 4, 2, 70, 16, 2, p_on, [70, 1, 33], torch.Generator().manual_seed(6))
+
+
+# The work list cuts each live (row, KV head)'s keys into chunks sized for about programs_per_sm x SMs
+# items: 64 per SM gives chunks of one key block (many partials, merged by the pair's last program), 1 per
+# SM long chunks (most pairs in one item, written directly); 16 rows of varied lengths in between.
+@pytest.mark.parametrize("per_sm", [64, 4, 1])
+@pytest.mark.parametrize("p_on", [0.25, 1.0])
+def test_attention_decode_work_list_over_rows_of_any_length(per_sm, p_on):
+    lengths = [1, 16, 17, 70, 33, 2, 64, 5, 48, 70, 9, 31, 32, 15, 66, 40]
+    run_decode(16, 4, 2, 70, 16, 2, p_on, lengths, torch.Generator().manual_seed(per_sm),
+               config=dict(programs_per_sm=per_sm))
 
 
 def test_attention_decode_group_smaller_than_kv_head():
