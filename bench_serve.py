@@ -2,17 +2,28 @@
 Serving benchmark: Poisson arrivals through serve.py's continuous-batching loop, dense vs WIDE, on a
 Llama-3.1-8B-shaped model (random bf16 weights, routers calibrated per profile).
 
-    python bench_serve.py --rates 2,8,inf --budget-s 300   # H200, ~4 min -> results/serving_h200.{json,md,png}
-    python bench_serve.py --prompt 8192,8192 --rates inf --out results/serving_h200_8k   # long prompts only
-    TRITON_INTERPRET=1 python bench_serve.py --smoke        # the same code on the CPU, a tiny model (CI)
+    python bench_serve.py                   # mixed: prompts 512-8192, 64 slots -> results/serving_h200_mixed.*
+    python bench_serve.py --workload 8k     # prompts of 8192 tokens, 64 slots -> results/serving_h200_8k.*
+    python bench_serve.py --workload long   # prompts 16k-32k, 16 slots, 32 requests -> results/serving_h200_long.*
+    python bench_serve.py --profiles 0.5/0.5,0.75/0.25,0.875/0.25   # one more attention-leaning profile
+    TRITON_INTERPRET=1 python bench_serve.py --smoke --slots 1      # the same code on the CPU, a tiny model (CI)
+
+(On an H200, --rates 2,8,inf of the mixed workload took 207 s.) Explicit --prompt, --output, --slots,
+--requests, --rates and --out override what the workload sets. --smoke keeps its own tiny lengths; the
+workload then only names the file.
 
 Per rate and profile: output tokens/s, TTFT and TPOT (p50 / p99), the concurrency reached, and per phase
 the stream time (prefill ms per 1k prompt tokens, decode ms per step). Every profile runs on the same
 engine (engine.Engine); "dense" is the model with its routers removed. A profile's routers are calibrated
-on a random prompt (bench_common.calibrate_routers), one router type at a time.
+on a random prompt (bench_common.calibrate_routers), one router type at a time. If
+results/quality_serving.json exists (perplexity of trained routers at these profiles), the table shows
+each profile's perplexity ratio next to its speed. Each run writes .json (the numbers), .md (the table)
+and .png (throughput and p99 TPOT against the offered load).
 """
 import argparse
+import json
 import math
+import os
 import random
 import sys
 import time
@@ -27,25 +38,46 @@ from bench_common import SMOKE, ModelRun, calibrate_routers, meta, random_model,
 from serve import Request, Server
 from wide import routers_off, routers_on
 
+CONTEXT = 131072  # Llama-3.1-8B's context (its rope_scaling stretches the preset's 8192 by 8): the longest slot
+QUALITY = os.path.join("results", "quality_serving.json")  # perplexity per profile, written by someone else
+DENSE = ("dense", None, None)  # (name, attention sparsity, FFN sparsity); dense: the routers removed
+
 
 @dataclass
 class Workload:
-    """What one run serves: the Llama-3.1-8B shape on the GPU, or a tiny model (--smoke)."""
+    """What one run serves: the Llama-3.1-8B shape on the GPU, or a tiny model (--smoke). The defaults are
+    the mixed workload; WORKLOADS below changes them for the others."""
+    name: str = "mixed"
     preset: str = "llama-3.1-8b"
     rates: tuple = (2.0, 4.0, 8.0, math.inf)  # requests per second (inf: all arrive at once)
     requests: int = 64
     prompt: tuple = (512, 8192)      # prompt lengths: log-uniform in this range
     output: tuple = (128, 512)       # new tokens: uniform in this range
-    n_slots: int = 64                # concurrency at most
-    profiles: tuple = (("dense", None, None), ("WIDE 50/50", 0.5, 0.5), ("WIDE 75/25", 0.75, 0.25))
+    n_slots: int = 64                # concurrency at most; a slot holds prompt[1] + output[1] + 1 positions
+    profiles: tuple = (DENSE, ("WIDE 50/50", 0.5, 0.5), ("WIDE 75/25", 0.75, 0.25))
     warmup_requests: int = 4
     smoke: bool = False
     seed: int = 0
 
 
-def smoke_workload():
-    return Workload(rates=(math.inf, 40.0), requests=3, prompt=(4, 16), output=(2, 4), n_slots=2,
-                    warmup_requests=1, smoke=True, profiles=(("dense", None, None), ("WIDE 50/50", 0.5, 0.5)))
+# The three workloads of BENCH.md, each its own results file (results/serving_h200_<name>). KV cache per
+# position of the 8B shape: 32 layers x 2 (K, V) x 8 KV heads x 128 x 2 bytes = 128 KiB. mixed and 8k:
+# 64 slots x 8705 positions = 68 GiB; long: 16 slots x 33281 positions = 65 GiB. Either fits the H200's
+# 141 GB next to the 16 GB of weights (~50 GB left for activations, CUDA graphs and the causal mask).
+WORKLOADS = {
+    "mixed": dict(),
+    "8k": dict(prompt=(8192, 8192)),
+    # Estimated, not yet measured: at the mixed run's 29-48 ms of prefill per 1k prompt tokens, a ~24k-token
+    # prompt costs about a second, so the others' rates would all saturate and 64 requests would take ~2 min
+    # per profile and rate; 32 requests at 0.5/s and all at once fit a run of ~8 min. Where a ratio decides
+    # a claim: run it twice, or --requests 64 --rates inf.
+    "long": dict(prompt=(16384, 32768), n_slots=16, requests=32, rates=(0.5, math.inf)),
+}
+
+
+def smoke_workload(name="mixed"):
+    return Workload(name=name, rates=(math.inf, 40.0), requests=3, prompt=(4, 16), output=(2, 4), n_slots=2,
+                    warmup_requests=1, smoke=True, profiles=(DENSE, ("WIDE 50/50", 0.5, 0.5)))
 
 
 def smoke_model_run():
@@ -114,52 +146,143 @@ def realized_skip(m, tokens):
     return {k: round(1 - torch.stack([x.float().mean() for x in masks[k]]).mean().item(), 4) for k in ("attn", "ffn")}
 
 
+# ----------------------------------------------------------------------------------- what a run writes
+def load_quality(path, profiles):
+    """The rows of `path` (perplexity of trained routers, e.g. {"attn": 0.75, "ffn": 0.25, "ffn_rule":
+    "per token", "ppl_vs_dense": 1.252}) whose attn/ffn match a profile of this run, to 3 decimals;
+    [] when there is no such file. The file holds a list of rows or {"rows": [...]}."""
+    if not os.path.isfile(path):
+        return []
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        cli.fail(f"{path} is not readable JSON ({e}); fix or remove it")
+    rows = data.get("rows", []) if isinstance(data, dict) else data
+    wanted = {profile_key(a or 0.0, f or 0.0) for _, a, f in profiles}
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    return [r for r in rows if isinstance(r, dict) and all(number(r.get(k)) for k in ("attn", "ffn", "ppl_vs_dense"))
+            and profile_key(r["attn"], r["ffn"]) in wanted]
+
+
+def profile_key(attn, ffn):
+    return round(float(attn), 3), round(float(ffn), 3)
+
+
+def ppl_cell(quality, attn, ffn):
+    """Every matching row's perplexity ratio, labelled by its ffn_rule when it has one; "-" when none."""
+    hits = [q for q in quality if profile_key(q["attn"], q["ffn"]) == profile_key(attn or 0.0, ffn or 0.0)]
+    return " / ".join(f"{q['ppl_vs_dense']:.3f}" + (f" ({q['ffn_rule']})" if q.get("ffn_rule") else "")
+                      for q in hits) or "-"
+
+
+def rate_label(rate):
+    return "all at once" if math.isinf(rate) else f"{rate:g}"
+
+
 def serving_markdown(rec):
-    out = [f"# Serving on {rec['gpu']}", "", f"torch {rec['torch']}, triton {rec['triton']}, {rec['date']}, "
-           f"`{rec['command']}`, {rec.get('wall_s', '?')} s.", "", f"Model: {rec['model']}. Workload: {rec['workload']}. "
-           f"Engine: {rec['engine']}", "", "| rate (req/s) | profile | output tok/s | vs dense | TTFT p50 / p99 (ms) | "
-           "TPOT p50 / p99 (ms) | concurrency max / mean | skipped attn / FFN | stream time: prefill ms per 1k tokens / "
-           "decode ms per step / share of wall |", "|---|---|---|---|---|---|---|---|---|"]
+    quality, targets = rec.get("quality", []), {n: (a, f) for n, a, f in rec.get("profiles", [])}
+    limit = rec.get("ffn_router_max_decode_rows")
+    rule = ("routes the FFN per token at every step" if limit is None else "routes the FFN per token except in "
+            f"decode steps of more than {limit} rows, which run it dense, so above that concurrency \"dense at "
+            "decode\" is the rule that was served")
+    source = (f"from `{rec['quality_file']}` (trained routers at the profile's attn/FFN sparsity, matched to 3 "
+              f"decimals), every matching row, labelled by its ffn_rule. This engine {rule}" if quality else
+              f"\"-\": no row of `{rec.get('quality_file', QUALITY)}` matches these profiles (or no such file)")
+    title = f"{rec['gpu']}: the {rec.get('workload_name', '?')} workload, {rec.get('slots', '?')} slots"
+    out = [f"# Serving on {title}", "", f"torch {rec['torch']}, triton {rec['triton']}, {rec['date']}, "
+           f"`{rec['command']}`, {rec.get('wall_s', '?')} s.", "",
+           f"Model: {rec['model']}. Workload: {rec['workload']}. Engine: {rec['engine']}", "",
+           f"ppl / dense: {source}.", "",
+           "| rate (req/s) | profile | output tok/s | vs dense | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | "
+           "concurrency max / mean | skipped attn / FFN | prefill ms per 1k tokens | decode ms per step | "
+           "in-phase share of wall | ppl / dense |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     dense = {r["rate"]: r for r in rec["rows"] if r["profile"] == "dense"}
-    for r in rec["rows"]:
-        d = dense.get(r["rate"])
-        ratio = f"{r['output_tok_s'] / d['output_tok_s']:.2f}x" if d else ""
-        sk = r.get("skip") or {}
-        out.append(f"| {r['rate']:g} | {r['profile']} | {r['output_tok_s']:.1f} | {ratio} | {r['ttft_p50_ms']:.0f} / "
-                   f"{r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {r['concurrency_max']} / "
-                   f"{r['concurrency_mean']:.1f} | " + (f"{sk['attn']:.0%} / {sk['ffn']:.0%}" if sk else "") + " | "
-                   + (f"{r['prefill_ms_per_1k_tokens']:.1f} / {r['decode_ms_per_step']:.2f} / {r['in_phase_share']:.0%}"
-                      if "decode_ms_per_step" in r else "") + " |")
+    for r in sorted(rec["rows"], key=lambda r: r["rate"]):  # stable: the profiles in run order at each rate
+        d, sk = dense.get(r["rate"]), r.get("skip") or {}
+        ratio = f"{r['output_tok_s'] / d['output_tok_s']:.2f}x" if d else "-"
+        phases = (f"{r['prefill_ms_per_1k_tokens']:.1f} | {r['decode_ms_per_step']:.2f} | {r['in_phase_share']:.0%}"
+                  if "decode_ms_per_step" in r else "- | - | -")
+        out.append(f"| {rate_label(r['rate'])} | {r['profile']} | {r['output_tok_s']:.1f} | {ratio} | "
+                   f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+                   f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
+                   f"{r['concurrency_max']} / {r['concurrency_mean']:.1f} | "
+                   + (f"{sk['attn']:.0%} / {sk['ffn']:.0%}" if sk else "-") + f" | {phases} | "
+                   + ppl_cell(quality, *targets.get(r["profile"], (None, None))) + " |")
     return "\n".join(out) + "\n"
 
 
-def plot_serving(rec, path):
+def serving_figure(rec):
+    """Two panels against the offered load: (a) output tokens/s, (b) p99 TPOT. The load axis is numeric
+    (requests per second) and each profile's line joins its finite rates only; "all at once" (rate inf)
+    is no point on that axis, so it is a separate marker at the right edge with its own tick."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for name in dict.fromkeys(r["profile"] for r in rec["rows"]):
-        rows = [r for r in rec["rows"] if r["profile"] == name]
-        x = list(range(len(rows)))
-        a.plot(x, [r["output_tok_s"] for r in rows], "o-", label=name)
-        b.plot(x, [r["tpot_p99_ms"] for r in rows], "o-", label=name)
-        for ax in (a, b):
-            ax.set_xticks(x, [f"{r['rate']:g}" for r in rows])
-    a.set(xlabel="request rate (req/s; inf = all at once)", ylabel="output tokens/s", title="throughput")
-    b.set(xlabel="request rate (req/s; inf = all at once)", ylabel="p99 time per output token (ms)", title="p99 TPOT")
-    a.legend()
+    rows = rec["rows"]
+    finite = sorted({r["rate"] for r in rows if math.isfinite(r["rate"])})
+    saturated = any(math.isinf(r["rate"]) for r in rows)
+    x_sat = 1.3 * finite[-1] if finite else 1.0  # where "all at once" is drawn
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    panels = (("output_tok_s", "output tokens/s", "(a) throughput"),
+              ("tpot_p99_ms", "p99 time per output token (ms)", "(b) p99 TPOT"))
+    for ax, (key, ylabel, title) in zip(axes, panels):
+        for i, name in enumerate(dict.fromkeys(r["profile"] for r in rows)):
+            mine = sorted((r for r in rows if r["profile"] == name), key=lambda r: r["rate"])
+            line = [r for r in mine if math.isfinite(r["rate"])]
+            sat = [r for r in mine if math.isinf(r["rate"])]
+            if line:
+                ax.plot([r["rate"] for r in line], [r[key] for r in line], "o-", color=f"C{i}", label=name)
+            if sat:  # its own marker, never joined to the line
+                ax.plot([x_sat], [sat[0][key]], "D", linestyle="none", color=f"C{i}", label=None if line else name)
+        ticks = finite + ([x_sat] if saturated else [])
+        ax.set_xticks(ticks, [f"{r:g}" for r in finite] + (["all at once"] if saturated else []))
+        ax.set_xlim(0, 1.1 * ticks[-1] if finite else 2.0)
+        ax.set_ylim(0, 1.1 * max(r[key] for r in rows))
+        ax.set(xlabel="offered load (requests/s)", ylabel=ylabel, title=title)
+        ax.legend()
+    fig.suptitle(f"{rec['gpu']}: the {rec.get('workload_name', '?')} workload, {rec.get('slots', '?')} slots",
+                 fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def plot_serving(rec, path):
+    import matplotlib.pyplot as plt
+    fig = serving_figure(rec)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def serving_meta(w, run, args, argv, slot_len):
-    return meta(run.smoke, "bench_serve.py", argv, rows=[], policy=repr(engine.Policy()),
+def cache_bytes(cfg, n_slots, slot_len, element_size):
+    """The KV cache of n_slots x slot_len positions (K and V of every layer), plus the model's
+    [slot_len, slot_len] causal mask of bools (model.setup_caches)."""
+    return n_slots * slot_len * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * element_size + slot_len ** 2
+
+
+def check_cache_fits(m, w, slot_len, headroom=4 << 30):
+    """On the GPU, before the cache is allocated: one line, not an out-of-memory traceback, when it cannot fit
+    (headroom: a prefill chunk's activations, the CUDA graphs' pools)."""
+    need = cache_bytes(m.config, w.n_slots, slot_len, m.embed_tokens.weight.element_size())
+    free = torch.cuda.mem_get_info()[0]
+    if need + headroom > free:
+        cli.fail(f"the KV cache of {w.n_slots} slots x {slot_len} positions needs {need / 2**30:.1f} GiB but "
+                 f"{free / 2**30:.1f} GiB are free (less {headroom >> 30} GiB headroom): lower --slots or the "
+                 "--prompt / --output lengths")
+
+
+def serving_meta(w, run, args, argv, m, slot_len):
+    gib = cache_bytes(m.config, w.n_slots, slot_len, m.embed_tokens.weight.element_size()) / 2 ** 30
+    return meta(run.smoke, "bench_serve.py", argv, rows=[], policy=repr(engine.Policy()), workload_name=w.name,
+                slots=w.n_slots, slot_len=slot_len, kv_cache_gib=round(gib, 2), requests=w.requests,
+                profiles=[list(p) for p in w.profiles], ffn_router_max_decode_rows=m.ffn_router_max_decode_rows,
+                quality_file=QUALITY, quality=load_quality(QUALITY, w.profiles),
                 model=f"{'tiny (--smoke)' if w.smoke else w.preset} shape, random {str(run.dtype)[6:]} weights; "
                       f"routers calibrated per profile on a random {run.calibrate_tokens}-token prompt",
-                workload=f"{w.requests} requests per rate, Poisson arrivals (seed {w.seed}), prompts log-uniform in "
-                         f"{w.prompt[0]}-{w.prompt[1]} tokens, outputs uniform in {w.output[0]}-{w.output[1]} tokens, "
-                         f"greedy, {w.n_slots} slots of {slot_len} positions",
+                workload=f"{w.name}: {w.requests} requests per rate, Poisson arrivals (seed {w.seed}), prompts "
+                         f"log-uniform in {w.prompt[0]}-{w.prompt[1]} tokens, outputs uniform in {w.output[0]}-"
+                         f"{w.output[1]} tokens, greedy, {w.n_slots} slots of {slot_len} positions "
+                         f"(KV cache {gib:.1f} GiB)",
                 engine="engine.Engine (Triton) for every profile; dense = the routers removed; prompts prefilled in "
                        f"chunks of {args.chunk} tokens, one chunk per loop iteration between decode steps; decode "
                        "steps replayed as CUDA graphs per batch bucket" + (" (eager on the CPU)" if w.smoke else ""))
@@ -198,10 +321,11 @@ def run_bench(w, args, argv):
         save(args.out, rec, serving_markdown(rec))
 
     run = smoke_model_run() if w.smoke else ModelRun()
-    slot_len = w.prompt[1] + w.output[1] + 1
+    slot_len = w.prompt[1] + w.output[1] + 1  # the longest request, and the dummy rows' scratch position
     m, _ = random_model(run, max_seq_len=slot_len)
     routers = [(l.attn_router, l.ffn_router, l.layer_router) for l in m.layers]
-    rec = serving_meta(w, run, args, argv, slot_len)
+    rec = serving_meta(w, run, args, argv, m, slot_len)
+    log(f"{w.name} workload: {rec['workload']}")
     for name, attn, ffn in w.profiles:
         if out_of_time(name):
             continue
@@ -211,14 +335,17 @@ def run_bench(w, args, argv):
         else:
             set_profile(m, routers, attn, ffn, run.calibrate_tokens)
             skip = realized_skip(m, run.calibrate_tokens)
-        server = Server(engine.Engine(m), w.n_slots, slot_len, chunk=args.chunk)
+        forward = engine.Engine(m)
+        if torch.cuda.is_available():
+            check_cache_fits(m, w, slot_len)
+        server = Server(forward, w.n_slots, slot_len, chunk=args.chunk)
         try:
             for row in serve_rates(server, w, name, skip, out_of_time, log):
                 rec["rows"].append(row)
                 publish()
         finally:
             server.close()
-            del server
+            del server, forward
             routers_on(m, routers)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -230,12 +357,13 @@ def run_bench(w, args, argv):
 
 # ----------------------------------------------------------------------------------- the command line
 def token_range(text):
-    """LO,HI: a range of token counts, 0 < LO <= HI."""
+    """LO,HI: a range of token counts, 0 < LO <= HI <= CONTEXT."""
     try:
         lo, hi = (int(v) for v in text.split(","))
-        assert 0 < lo <= hi
+        assert 0 < lo <= hi <= CONTEXT
     except (ValueError, AssertionError):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a token range LO,HI with 0 < LO <= HI, e.g. 8192,8192")
+        raise argparse.ArgumentTypeError(f"{text!r}: give a token range LO,HI with 0 < LO <= HI <= {CONTEXT} (the "
+                                         "model's context), e.g. 8192,8192")
     return lo, hi
 
 
@@ -248,24 +376,59 @@ def rates(text):
         raise argparse.ArgumentTypeError(f"{text!r}: {e}; give rates > 0 per second, or inf, e.g. 2,8,inf")
 
 
+def profiles(text):
+    """A/F,A/F,...: WIDE profiles as (attention, FFN) sparsity, each in [0, 1); dense always runs first."""
+    share = cli.fraction()
+    try:
+        pairs = [tuple(share(v) for v in item.split("/")) for item in text.split(",")]
+        if any(len(p) != 2 for p in pairs):
+            raise argparse.ArgumentTypeError("each profile is ATTN/FFN")
+        if len(set(pairs)) < len(pairs):
+            raise argparse.ArgumentTypeError("a profile is given twice")
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}; give attention/FFN sparsities in [0, 1), e.g. "
+                                         "0.5/0.5,0.75/0.25,0.875/0.25")
+    return (DENSE,) + tuple((f"WIDE {a * 100:g}/{f * 100:g}", a, f) for a, f in pairs)
+
+
+def workload(args):
+    """The workload the flags ask for: the named one (or --smoke's tiny one), then each flag given."""
+    w = smoke_workload(args.workload) if args.smoke else Workload(name=args.workload, **WORKLOADS[args.workload])
+    return replace(w, **{k: getattr(args, k) for k in ("rates", "requests", "prompt", "output", "n_slots", "profiles")
+                         if getattr(args, k) is not None})
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = bench_common.parser(__doc__, "serving_h200")
+    p = bench_common.parser(__doc__, "serving_h200_<workload>")
+    p.add_argument("--workload", choices=list(WORKLOADS), default="mixed", help="mixed: prompts 512-8192, 64 slots; "
+                   "8k: prompts of 8192; long: prompts 16384-32768, 16 slots, 32 requests at 0.5/s and all at once "
+                   "(default mixed)")
     p.add_argument("--rates", type=rates, default=None, help="request rates per second, comma-separated "
-                   "(inf = all at once; default 2,4,8,inf)")
-    p.add_argument("--requests", type=cli.integer(1), default=None, help="requests per rate (default 64)")
+                   "(inf = all at once; default 2,4,8,inf; long: 0.5,inf)")
+    p.add_argument("--requests", type=cli.integer(1, 1024), default=None, help="requests per rate (default 64; "
+                   "long: 32, as each ~24k-token prompt takes about a second to prefill and 64 would need ~2 min "
+                   "per profile and rate)")
     p.add_argument("--prompt", type=token_range, default=None, help="prompt lengths LO,HI (log-uniform; "
-                   "default 512,8192)")
+                   "default 512,8192; 8k: 8192,8192; long: 16384,32768)")
     p.add_argument("--output", type=token_range, default=None, help="new tokens LO,HI (uniform; default 128,512)")
+    p.add_argument("--slots", dest="n_slots", metavar="N", type=cli.integer(1, 1024), default=None,
+                   help="KV cache slots: requests served at once (default 64; long: 16); each holds the longest "
+                   "prompt + output + 1")
+    p.add_argument("--profiles", type=profiles, metavar="A/F,...", default=None,
+                   help="WIDE profiles as attention/FFN sparsity, comma-separated, each in [0, 1); dense always "
+                   "runs too (default 0.5/0.5,0.75/0.25)")
     p.add_argument("--budget-s", type=cli.real(0, lo_open=True), default=480,
                    help="start no new rate after this many seconds")
     # >= Policy.sparse_prefill_min_tokens: WIDE's sparse prefill kernels run (H200, 512: 0.66-0.97x dense)
     p.add_argument("--chunk", type=cli.integer(1), default=2048, help="prefill chunk in tokens (a long prompt "
                    "does not stall the running decodes for longer than one chunk)")
     args = p.parse_args(argv)  # every flag checked here, before the device check: the same error on any machine
-    bench_common.prepare(args, "bench_serve.py", argv, "serving_h200")
-    w = smoke_workload() if args.smoke else Workload()
-    w = replace(w, **{k: getattr(args, k) for k in ("rates", "requests", "prompt", "output") if getattr(args, k)})
+    w = workload(args)
+    if w.prompt[1] + w.output[1] + 1 > CONTEXT:
+        p.error(f"--prompt/--output: a slot of {w.prompt[1]} + {w.output[1]} + 1 positions exceeds the model's "
+                f"context of {CONTEXT}; shorten the prompt or the output range")
+    bench_common.prepare(args, "bench_serve.py", argv, f"serving_h200_{w.name}")
     return run_bench(w, args, argv)
 
 
