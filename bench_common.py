@@ -22,6 +22,7 @@ import torch
 import triton
 
 import cli
+import engine
 import kernels
 import wide
 from model import ModelConfig, Transformer, rope_frequencies
@@ -198,3 +199,44 @@ def calibrate_routers(m, sparsity, tokens, passes=2):
             z = r.logits(x).reshape(-1, r.n_groups, 2).float()
             d = z[..., 1] - z[..., 0]  # skip iff d > 0
             r.up.bias.view(-1, 2)[:, 1] -= torch.quantile(d, 1 - sparsity, dim=0)
+
+
+def set_profile(m, routers, attn, ffn, tokens):
+    """Calibrate the routers to skip `attn` of the attention groups and `ffn` of the FFN groups on a
+    random prompt (one router type at a time: the other type is removed while one is calibrated, so the
+    two interact only through that)."""
+    for kind, s in (("attn", attn), ("ffn", ffn)):
+        for layer, (a, f, _) in zip(m.layers, routers):
+            layer.attn_router, layer.ffn_router = (a, None) if kind == "attn" else (None, f)
+        calibrate_routers(m, s, tokens)
+    wide.routers_on(m, routers)
+
+
+def fill_cache(m, context):
+    for layer in m.layers:  # as if a prompt of `context` tokens had been prefilled
+        c = layer.self_attn.kv_cache
+        c.k_cache[:, :, :context].normal_()
+        c.v_cache[:, :, :context].normal_()
+
+
+def with_engine(m, routers, policy, fn, weights="bf16"):
+    """fn(engine) with the routers on (WIDE) or off (dense); one engine alive at a time."""
+    saved = None if routers else wide.routers_off(m)
+    try:
+        return fn(engine.Engine(m, policy, weights))
+    finally:
+        if saved is not None:
+            wide.routers_on(m, saved)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def mask_summary(masks, batch):
+    """A decode step's masks (float [B, 1, G] per layer, as CUDAGraphDecoder.masks holds them): the share
+    of groups skipped, and the share live in the batch's union, for attention and FFN; None if no routers."""
+    if not masks:
+        return None
+    out = {f"{k}_skip": round(1 - torch.stack([x.float().mean() for x in masks[k]]).mean().item(), 4) for k in masks}
+    out.update({f"{k}_union_live": round(torch.stack([x.reshape(batch, -1).float().amax(0).mean()
+                                                      for x in masks[k]]).mean().item(), 4) for k in masks})
+    return out

@@ -3,7 +3,7 @@ End to end: a Llama-3.1-8B-shaped model (random bf16 weights, real WIDE routers)
 against the same model with its routers removed, in the same engine.
 
   python bench_e2e.py                       # the default set, about 4-7 minutes on an H200 -> results/e2e_h200.{json,md}
-  python bench_e2e.py --only decode,compile # a subset of the parts: prefill, decode, compile, fp8, small
+  python bench_e2e.py --only decode,compile # a subset of the parts: prefill, decode, compile, fp8, small, profile
   python bench_e2e.py --decode 1x1024,32x8192   # other decode rows (batch x context)
   python bench_e2e.py --budget-s 300        # start no new row after this many seconds
   python bench_e2e.py --only fp8 --append   # replace only these parts' rows in results/e2e_h200.*
@@ -24,6 +24,8 @@ What each part measures:
            torch.compile(mode="reduce-overhead", fullgraph=True) captures; both tokens/s.
   fp8      batch-1 decode at 1k and 8k with fp8 weights (engine.Engine(weights="fp8"): e4m3, one scale per
            output channel, read by the same decode kernels): dense bf16, dense fp8, WIDE bf16, WIDE fp8.
+  profile  one decode step op by op (bench_profile.py): batch 1 at 1k in bf16 and fp8, batch 32 at 8k,
+           dense and WIDE (and 75/25 routers at batch 32) -> results/decode_profile_h200.{json,md}
   small    the trained small model (out/wide-s0.5-stage*) if there is one, else the small preset with
            calibrated random routers: masks from a trained router, through generate().
 
@@ -41,10 +43,12 @@ from dataclasses import dataclass, field
 import torch
 
 import bench_common
+import bench_profile
 import checkpoints
 import cli
 import engine
-from bench_common import COPY_GBS, SMOKE, ModelRun, calibrate_routers, clock_ms, meta, random_model, save
+from bench_common import (COPY_GBS, SMOKE, ModelRun, calibrate_routers, clock_ms, fill_cache, mask_summary, meta, random_model,
+                          save, with_engine)
 from generate import CUDAGraphDecoder, generate
 from wide import routers_off, routers_on
 from model import CheckpointError
@@ -57,6 +61,7 @@ class Run(ModelRun):
     prefill: int = 4096
     decode: list = field(default_factory=lambda: [(1, 1024), (1, 8192), (8, 1024), (32, 8192)])
     fp8_decode: list = field(default_factory=lambda: [(1, 1024), (1, 8192)])
+    profile: list = field(default_factory=lambda: [(1, 1024, "bf16"), (1, 1024, "fp8"), (32, 8192, "bf16")])
     compile_context: int = 1024
     steps: int = 40                   # timed decode steps (half of it for batch x context > 64k)
     warmup: int = 3
@@ -70,7 +75,7 @@ def smoke_run():
     tiny = dict(vocab_size=128, dim=64, n_layers=1, n_heads=8, n_kv_heads=4, head_dim=16,
                 intermediate_size=128, max_seq_len=96)
     return Run(**SMOKE, config=tiny, prefill=32,
-               decode=[(1, 24), (6, 24)], fp8_decode=[(1, 24)], compile_context=24, steps=2, warmup=1, calibrate_tokens=32,
+               decode=[(1, 24), (6, 24)], fp8_decode=[(1, 24)], profile=[(1, 24, "bf16")], compile_context=24, steps=2, warmup=1, calibrate_tokens=32,
                small_preset=None, small_tokens=(8, 3), small_batches=(2,))
 
 
@@ -112,13 +117,6 @@ class EagerDecoder:
         return self.model(token, input_pos=pos.view(-1, 1), masks=self.masks)[:, -1]
 
 
-def fill_cache(m, context):
-    for layer in m.layers:  # as if a prompt of `context` tokens had been prefilled
-        c = layer.self_attn.kv_cache
-        c.k_cache[:, :, :context].normal_()
-        c.v_cache[:, :, :context].normal_()
-
-
 @torch.no_grad()
 def time_prefill(run, e, T, reps=5):
     """ms of one prompt of T tokens at positions 0..T-1 into the static cache, logits of its last token."""
@@ -149,14 +147,7 @@ def time_decode(run, e, batch, context, steps):
             pos.add_(1)
     go(run.warmup)
     ms = clock_ms(run.smoke, go, steps)
-    masks = None
-    if step.masks:  # float [B, 1, G] per layer, rewritten by every replay
-        kinds = ("attn", "ffn")
-        masks = {f"{k}_skip": round(1 - torch.stack([x.float().mean() for x in step.masks[k]]).mean().item(), 4)
-                 for k in kinds}
-        masks.update({f"{k}_union_live": round(torch.stack([x.reshape(batch, -1).amax(0).mean()
-                                                            for x in step.masks[k]]).mean().item(), 4)
-                      for k in kinds})
+    masks = mask_summary(step.masks, batch)
     del step
     e.clear_caches()
     return ms, masks
@@ -187,18 +178,6 @@ def time_compiled(run, m, context, steps):
     ms = clock_ms(run.smoke, go, steps)
     m.clear_caches()
     return ms, compile_s
-
-
-def with_engine(m, routers, policy, fn, weights="bf16"):
-    """fn(engine) with the routers on (WIDE) or off (dense); one engine alive at a time."""
-    saved = None if routers else routers_off(m)
-    try:
-        return fn(engine.Engine(m, policy, weights))
-    finally:
-        if saved is not None:
-            routers_on(m, saved)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------------- rows
@@ -421,7 +400,7 @@ def markdown(m):
     return "\n".join(out) + "\n"
 
 
-PARTS = ("prefill", "decode", "compile", "fp8", "small")
+PARTS = ("prefill", "decode", "compile", "fp8", "small", "profile")
 
 
 def part_of(row):
@@ -466,9 +445,10 @@ def e2e_meta(run, args, argv):
                        f"{run.warmup} warm-up steps")
 
 
-def model_rows(run, parts, add, rows, log):
+def model_rows(run, parts, add, rows, log, record, out):
     """The parts measured on the 8B-shaped model (all but "small"), in the order of the README's table."""
-    longest = max([c for _, c in run.decode + run.fp8_decode] + [run.prefill, run.compile_context]) + run.steps + 64
+    longest = max([c for _, c in run.decode + run.fp8_decode] + [c for _, c, _ in run.profile]
+                  + [run.prefill, run.compile_context]) + run.steps + 64
     m, _ = random_model(run, max_seq_len=longest)
     calibrate_routers(m, 0.5, run.calibrate_tokens)
     log(f"model ready: {weight_bytes(m) / 1e9:.2f} GB of weights read per decode step")
@@ -482,6 +462,9 @@ def model_rows(run, parts, add, rows, log):
         add(lambda: fp8_row(run, m, batch, context, log), f"decode fp8 batch {batch}, context {context}")
     if "compile" in parts and not any("compiled_ms" in r for r in rows):
         add(lambda: compile_row(run, m, rows, log), "compile: dense engine vs torch.compile")
+    if "profile" in parts:  # its own results file (bench_profile.py), last: it recalibrates the routers
+        add(lambda: bench_profile.profile_rows(run, m, record, bench_profile.profile_out(out), log),
+            "profile: one decode step, op by op")
 
 
 def run_e2e(run, args, argv):
@@ -518,7 +501,7 @@ def run_e2e(run, args, argv):
         publish()
 
     if set(parts) - {"small"}:
-        model_rows(run, parts, add, rows, log)  # (the 8B-shaped model is freed when it returns)
+        model_rows(run, parts, add, rows, log, record, args.out)  # (the 8B-shaped model is freed when it returns)
     if "small" in parts:
         if not run.smoke:
             torch.cuda.empty_cache()

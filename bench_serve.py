@@ -34,7 +34,7 @@ import torch
 import bench_common
 import cli
 import engine
-from bench_common import SMOKE, ModelRun, calibrate_routers, meta, random_model, save
+from bench_common import SMOKE, ModelRun, meta, random_model, save, set_profile
 from serve import Request, Server
 from wide import routers_off, routers_on
 
@@ -125,17 +125,6 @@ def phase_columns(ph, wall_s):
     (p_ms, _, p_tok), (d_ms, d_n, _) = ph.get("prefill", (0.0, 0, 0)), ph.get("decode", (0.0, 0, 0))
     return dict(prefill_ms_per_1k_tokens=p_ms / max(1, p_tok) * 1e3, decode_ms_per_step=d_ms / max(1, d_n),
                 in_phase_share=(p_ms + d_ms) / 1e3 / wall_s)
-
-
-def set_profile(m, routers, attn, ffn, tokens):
-    """Calibrate the routers to skip `attn` of the attention groups and `ffn` of the FFN groups on a
-    random prompt (one router type at a time: the other type is removed while one is calibrated, so the
-    two interact only through that)."""
-    for kind, s in (("attn", attn), ("ffn", ffn)):
-        for layer, (a, f, _) in zip(m.layers, routers):
-            layer.attn_router, layer.ffn_router = (a, None) if kind == "attn" else (None, f)
-        calibrate_routers(m, s, tokens)
-    routers_on(m, routers)
 
 
 @torch.no_grad()

@@ -1,0 +1,211 @@
+"""
+Where the time of one decode step goes, op by op: `python bench_e2e.py --only profile` ->
+results/decode_profile_h200.{json,md} (bench_e2e's model and routers; this file holds the profile itself).
+
+For each (batch, context, weights) of Run.profile and each router profile (dense, WIDE at the bench's
+calibration, and at batch >= 8 the attention-leaning 75/25 routers), one decode step is captured as a CUDA
+graph (generate.CUDAGraphDecoder, as generate() and serve.py replay it) and replayed under torch.profiler.
+Every GPU kernel of one replay is assigned to the op of the engine's plan (policy.py) that launched it:
+Triton kernels by name, a cuBLAS GEMM to the next op the plan sends to cuBLAS, and the small torch kernels
+(casts, element-wise ops) to the op running when they start. Per op, summed over the layers:
+  us      the op's kernel time in one step
+  gap us  the idle time between the previous kernel's end and this op's first kernel's start (launch gaps)
+  MB      the bytes the op must read at the masks the routers chose (weights at the batch's union of live
+          groups where the kernel skips, the KV cache at each row's live KV heads), from the plan's op kinds
+  GB/s    MB / us: against the 4220 GB/s copy ceiling
+The step time is CUDA-event time per replay; 'byte-ideal' is the step's MB at the copy ceiling.
+"""
+import os
+
+import torch
+
+import engine
+from bench_common import COPY_GBS, calibrate_routers, clock_ms, fill_cache, mask_summary, save, set_profile, with_engine
+from generate import CUDAGraphDecoder
+
+# Library kernels that start an op the plan sends to cuBLAS (the rest: casts, element-wise, reductions)
+GEMM_NAMES = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas")
+
+
+def is_gemm(name):
+    n = name.lower()
+    return any(g in n for g in GEMM_NAMES) and "splitkreduce" not in n and "triton" not in n
+
+
+def op_sequence(plan):
+    """[(op label, Op)] in launch order: the step's embedding, each layer's ops, the final norm, the head."""
+    seq = [("embedding", plan.step["step_embed"])]
+    for i, layer in enumerate(plan.layers):
+        seq += [(name, op) for name, op in layer.items()]
+    seq += [(name, op) for name, op in plan.step.items() if name != "step_embed"]
+    return seq
+
+
+def assign_ops(kernels, plan):
+    """kernels: [(name, start_us, end_us)] of one step in launch order -> [(op label, name, us, gap_us)].
+    Walks the plan's ops in order: a Triton kernel goes to the next op still due to launch it, a GEMM to
+    the next op on cuBLAS that has had none yet, anything else to the op of the kernel before it."""
+    seq = op_sequence(plan)
+    due = [list(op.kernels) for _, op in seq]  # the Triton launches each op has still to make
+    gemmed = set()
+    at, out, prev_end = 0, [], None
+    for name, t0, t1 in kernels:
+        hit = next((i for i in range(at, len(seq)) for k in due[i] if k in name), None)
+        if hit is not None:
+            at = hit
+            due[at].remove(next(k for k in due[at] if k in name))
+        elif is_gemm(name):
+            at = next((i for i in range(at, len(seq)) if "cuBLAS" in seq[i][1].runs and i not in gemmed), at)
+            gemmed.add(at)
+        out.append((seq[at][0], name, t1 - t0, 0.0 if prev_end is None else max(0.0, t0 - prev_end)))
+        prev_end = t1
+    return out
+
+
+def op_bytes(m, plan, batch, context, masks):
+    """{op label: bytes one step must read} at these masks (see the module docstring)."""
+    c = m.config
+    e = m.embed_tokens.weight.element_size()
+    D, H, Hkv, d, I = c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size
+    a_union, f_union = (masks or {}).get("attn_union_live", 1.0), (masks or {}).get("ffn_union_live", 1.0)
+    a_row = 1 - (masks or {}).get("attn_skip", 0.0)
+    kv = batch * context * 2 * Hkv * d * e
+    out = {}
+
+    def add(label, n):
+        out[label] = out.get(label, 0.0) + n
+    for layer in plan.layers:
+        for name, op in layer.items():
+            w = 1 if op.weights == "fp8" else e
+            skips = op.kind in ("gemv", "gemv_fused", "gemm_k", "tiles", "tiles_fused")
+            if name == "qkv":
+                add(name, D * (H * d * (a_union if skips else 1) + 2 * Hkv * d) * w)
+            elif name == "o":
+                add(name, D * H * d * (a_union if skips else 1) * w)
+            elif name == "gate_up":
+                add(name, 2 * D * I * (f_union if skips else 1) * w)
+            elif name == "down":
+                add(name, D * I * (f_union if skips else 1) * w)
+            elif name == "attention":
+                add(name, kv * (a_row if op.kind == "decode_live" else 1))
+    add("step_head", c.vocab_size * D * e)
+    return out
+
+
+def kernel_events(prof):
+    """[(name, start_us, end_us)] of the GPU kernels the profiler saw, in start order."""
+    ev = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+          if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
+          and "memset" not in e.name.lower()]
+    return sorted(ev, key=lambda x: x[1])
+
+
+def profile_step(decoder, plan, token, pos, replays=3):
+    """Kernels of the last of `replays` graph replays, assigned to the plan's ops, and how many the
+    replay launched (the step's kernels: the same count each replay)."""
+    decoder(token, pos)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            decoder(token, pos)
+        torch.cuda.synchronize()
+    ev = kernel_events(prof)
+    per = len(ev) // replays
+    return assign_ops(ev[-per:], plan), per
+
+
+def summarize(assigned, nbytes, step_ms):
+    """Per op: kernels, us, gap us, MB, GB/s; plus the step's totals."""
+    ops = {}
+    for label, name, us, gap in assigned:
+        r = ops.setdefault(label, dict(kernels=0, us=0.0, gap_us=0.0))
+        r["kernels"] += 1
+        r["us"] += us
+        r["gap_us"] += gap
+    for label, r in ops.items():
+        mb = nbytes.get(label, 0.0) / 1e6
+        r.update(us=round(r["us"], 1), gap_us=round(r["gap_us"], 1), MB=round(mb, 1),
+                 GBps=round(mb / r["us"] * 1e3) if mb and r["us"] else None)
+    kernel_us = sum(r["us"] for r in ops.values())
+    total_mb = sum(nbytes.values()) / 1e6
+    return dict(ops=ops, step_us=round(step_ms * 1e3, 1), kernel_us=round(kernel_us, 1),
+                gap_us=round(sum(r["gap_us"] for r in ops.values()), 1), kernels=len(assigned),
+                MB=round(total_mb, 1), byte_ideal_us=round(total_mb / COPY_GBS * 1e3, 1),
+                share_of_byte_ideal=round(total_mb / COPY_GBS * 1e3 / (step_ms * 1e3), 3))
+
+
+LABELS = {"attn_norm": "attention norm (+ router)", "attn_layout": "attention layout", "qkv": "Q, K, V",
+          "rope": "RoPE + cache", "attention": "decode attention", "o": "O proj", "ffn_norm": "FFN norm (+ router)",
+          "ffn_layout": "FFN layout", "gate_up": "gate + up", "down": "down proj", "embedding": "embedding",
+          "step_every_head": "every-head layout", "step_norm": "final norm", "step_head": "lm_head"}
+
+
+def profile_markdown(record):
+    out = [f"# One decode step, op by op ({record['gpu']})", "",
+           f"torch {record['torch']}, triton {record['triton']}, {record['date']}, `{record['command']}`. "
+           f"{record['model']}. Each step: CUDA-graph replay of generate()'s decode step, kernels from "
+           "torch.profiler, assigned to the ops of the engine's plan (bench_profile.py). us and gap us are per "
+           "step, summed over the layers; MB is what the op must read at the routers' masks; GB/s against the "
+           f"{COPY_GBS} GB/s copy ceiling. 'byte-ideal' = the step's MB at the copy ceiling.", ""]
+    for s in record["steps"]:
+        out += [f"## batch {s['batch']}, context {s['context']}, {s['weights']}: {s['profile']}", "",
+                f"step {s['step_us']} us (CUDA events) = kernels {s['kernel_us']} us + gaps {s['gap_us']} us over "
+                f"{s['kernels']} kernels; {s['MB']} MB read, byte-ideal {s['byte_ideal_us']} us "
+                f"({s['share_of_byte_ideal']:.0%} of it reached). Masks: {s['masks']}", "",
+                "| op | kernels | us | gap us | MB | GB/s | share of step |", "|---|---|---|---|---|---|---|"]
+        for label, r in s["ops"].items():
+            share = (r["us"] + r["gap_us"]) / s["step_us"] if s["step_us"] else 0
+            out.append(f"| {LABELS.get(label, label)} | {r['kernels']} | {r['us']} | {r['gap_us']} | {r['MB'] or '-'} "
+                       f"| {r['GBps'] or '-'} | {share:.1%} |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+@torch.no_grad()
+def profile_one(run, e, batch, context, replays=20):
+    """One decode step of `batch` rows at `context` cached positions through engine e: its profile."""
+    e.setup_caches(batch, context + 16)
+    fill_cache(e.model, context)
+    token = torch.randint(0, e.config.vocab_size, (batch, 1), device=run.device)
+    pos = torch.full((batch,), context, device=run.device)
+    dec = CUDAGraphDecoder(e, token, pos)  # every replay: the same step (the K/V at `context` rewritten)
+    ms = clock_ms(False, lambda n: [dec(token, pos) for _ in range(n)], replays)
+    masks = mask_summary(dec.masks, batch)
+    plan = e.plan(batch, True)
+    assigned, _ = profile_step(dec, plan, token, pos)
+    out = dict(summarize(assigned, op_bytes(e.model, plan, batch, context, masks), ms), masks=masks,
+               kernel_names=sorted({name for _, name, _, _ in assigned}))
+    del dec
+    e.clear_caches()
+    return out
+
+
+def profile_rows(run, m, record, out, log):
+    """The profile part of bench_e2e.py: every (batch, context, weights) of run.profile, dense and WIDE,
+    written to `out` (.json, .md) as it goes; returns no e2e rows. The routers end at the bench's 0.5."""
+    if run.smoke:  # CUDA graphs and the profiler's GPU kernels: nothing to profile on the CPU
+        log("profile: needs a CUDA GPU (graph replay under torch.profiler); skipped")
+        return []
+    routers = [(l.attn_router, l.ffn_router, l.layer_router) for l in m.layers]
+    rec = dict(record, steps=[])
+    try:
+        for batch, context, weights in run.profile:
+            profiles = [("dense", None), ("WIDE 50/50", (0.5, 0.5))] + ([("WIDE 75/25", (0.75, 0.25))] if batch >= 8 else [])
+            for name, sparsity in profiles:
+                if sparsity:
+                    set_profile(m, routers, *sparsity, run.calibrate_tokens)
+                s = with_engine(m, sparsity is not None, engine.Policy(),
+                                lambda e: profile_one(run, e, batch, context), weights)
+                rec["steps"].append(dict(s, batch=batch, context=context, weights=weights, profile=name))
+                log(f"  profile batch {batch}, context {context}, {weights}, {name}: step {s['step_us']} us, kernels "
+                    f"{s['kernel_us']} us, gaps {s['gap_us']} us, {s['share_of_byte_ideal']:.0%} of byte-ideal")
+                save(out, rec, profile_markdown(rec))
+    finally:
+        calibrate_routers(m, 0.5, run.calibrate_tokens)
+    return []
+
+
+def profile_out(e2e_out):
+    """results/e2e_h200 -> results/decode_profile_h200 (beside it, whatever the --out)."""
+    d, base = os.path.split(e2e_out)
+    return os.path.join(d, base.replace("e2e", "decode_profile") if "e2e" in base else base + "_decode_profile")

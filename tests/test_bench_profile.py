@@ -1,0 +1,83 @@
+"""bench_profile.py: a decode step's kernels assigned to the ops of the engine's plan, and the bytes each
+op must read. The profile itself needs a GPU (`python bench_e2e.py --only profile`); what it does with the
+kernels it sees is checked here on synthetic kernel lists."""
+import pytest
+import torch
+
+import bench_profile as bp
+import policy
+from model import ModelConfig, Transformer
+
+WIDE = [("wide", "wide")] * 2
+
+
+def step(kernels, t=0.0, dur=8.0, gap=2.0):
+    out = []
+    for name in kernels:
+        out.append((name, t, t + dur))
+        t += dur + gap
+    return out
+
+
+def layer_b1():  # decode B1: every pruned op in Triton
+    return ["_norm_route_kernel", "_gemv_mn_kernel", "_rope_kernel", "_attn_decode_kernel", "_gemm_k_kernel",
+            "_norm_route_kernel", "_gemv_mn_kernel", "_gemm_k_kernel"]
+
+
+def test_triton_kernels_go_to_the_op_that_launches_them_in_order():
+    plan = policy.Policy().plan(policy.Shape(1, True), WIDE)
+    got = bp.assign_ops(step(["embedding_kernel"] + layer_b1() * 2 + ["_rms_norm_kernel", "nvjet_head_gemm"]), plan)
+    labels = [g[0] for g in got]
+    per_layer = ["attn_norm", "qkv", "rope", "attention", "o", "ffn_norm", "gate_up", "down"]
+    assert labels == ["embedding"] + per_layer * 2 + ["step_norm", "step_head"]
+    assert got[0][3] == 0.0 and all(g[3] == 2.0 for g in got[1:]) and all(g[2] == 8.0 for g in got)
+
+
+def test_cublas_gemms_take_the_next_cublas_op_and_small_kernels_stay_with_theirs():
+    # decode B32 under the batch rule: Q/K/V, O, gate+up and down on cuBLAS; silu*up and the residual add
+    # are torch kernels after their GEMM; a split-K reduction belongs to the GEMM before it
+    plan = policy.Policy().plan(policy.Shape(32, True, dense_ffn=True), WIDE)
+    layer = ["_norm_route_kernel", "nvjet_tst_qkv", "_rope_kernel", "_attn_decode_kernel", "sm90_xmma_gemm_o",
+             "splitKreduce_kernel", "_rms_norm_kernel", "nvjet_gate_up", "vectorized_elementwise_silu",
+             "vectorized_elementwise_mul", "gemv2T_kernel_down", "elementwise_add"]
+    got = bp.assign_ops(step(["indexSelect"] + layer * 2 + ["_rms_norm_kernel", "nvjet_head"]), plan)
+    want = ["embedding"] + ["attn_norm", "qkv", "rope", "attention", "o", "o", "ffn_norm", "gate_up", "gate_up",
+                            "gate_up", "down", "down"] * 2 + ["step_norm", "step_head"]
+    assert [g[0] for g in got] == want
+
+
+def test_the_summary_adds_up_per_op_and_against_the_step_time():
+    plan = policy.Policy().plan(policy.Shape(1, True), WIDE)
+    got = bp.assign_ops(step(layer_b1() * 2), plan)
+    s = bp.summarize(got, {"qkv": 2e6, "attention": 1e6}, step_ms=0.2)
+    assert s["kernels"] == 16 and s["kernel_us"] == 128.0 and s["gap_us"] == 30.0 and s["step_us"] == 200.0
+    assert s["ops"]["qkv"] == dict(kernels=2, us=16.0, gap_us=4.0, MB=2.0, GBps=125)
+    assert s["ops"]["rope"]["GBps"] is None  # no bytes counted for it
+    md = bp.profile_markdown(dict(gpu="GPU", torch="t", triton="tr", date="d", command="c", model="m", steps=[
+        dict(s, batch=1, context=1024, weights="bf16", profile="WIDE 50/50", masks=None)]))
+    assert "| Q, K, V | 2 | 16.0 | 4.0 | 2.0 | 125 |" in md and "batch 1, context 1024, bf16: WIDE 50/50" in md
+
+
+@pytest.mark.parametrize("batch, union, row", [(1, 0.5, 0.5), (32, 1.0, 0.25)])
+def test_bytes_follow_the_op_kinds_and_the_masks(batch, union, row):
+    cfg = dict(vocab_size=128, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=16, intermediate_size=128)
+    m = Transformer(ModelConfig(**cfg))
+    masks = dict(attn_union_live=union, ffn_union_live=union, attn_skip=1 - row, ffn_skip=0.5)
+    shape = policy.Shape(batch, True, dense_ffn=batch > 4)
+    plan = policy.Policy().plan(shape, WIDE)
+    b = bp.op_bytes(m, plan, batch, 100, masks)
+    e = 4  # fp32
+    kv = batch * 100 * 2 * 4 * 16 * e
+    q = 64 * 8 * 16 * e
+    assert b["attention"] == pytest.approx(2 * kv * row)  # each row's live KV heads only, at any batch
+    if batch == 1:  # the GEMVs and gemm_k read the live groups' weights only
+        assert b["qkv"] == pytest.approx(2 * (q * 0.5 + 2 * 64 * 4 * 16 * e))
+        assert b["gate_up"] == pytest.approx(2 * 2 * 64 * 128 * e * 0.5)
+    else:  # cuBLAS reads everything
+        assert b["o"] == pytest.approx(2 * q) and b["down"] == pytest.approx(2 * 64 * 128 * e)
+    assert b["step_head"] == 128 * 64 * e
+
+
+def test_the_profile_lands_beside_the_e2e_results():
+    assert bp.profile_out("results/e2e_h200") == "results/decode_profile_h200"
+    assert bp.profile_out("/tmp/x/run") == "/tmp/x/run_decode_profile"
