@@ -170,8 +170,8 @@ def attention_decode_ref(q, k_cache, v_cache, head_mask, kv_len):
 def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, NP, TARGET,
                         sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
                         HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, H2: tl.constexpr,
-                        BJ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                        IEEE: tl.constexpr):
+                        BJ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr,
+                        D: tl.constexpr, IEEE: tl.constexpr):
     """Split-KV decode attention (one query token per row) over a work list of live items only.
 
     The work is a list of items (row b, KV head, chunk of that row's cached keys), built in every
@@ -182,8 +182,8 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     read. Grid (NP + B): programs 0..NP-1 take item pid if it exists; program NP + b writes the zeros of
     row b's inactive heads. A program owns its KV head's HPK query heads as rows (padded to BH).
     The merge is in the same launch: a pair cut into several chunks stores each chunk's normalised partial
-    and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (in chunk order,
-    so the result does not depend on which finished last) and resets the ticket. Twin: attention_decode_ref.
+    and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (all MC at once,
+    so the result does not depend on which finished last) and resets the ticket. At most MC chunks per pair. Twin: attention_decode_ref.
     """
     pid = tl.program_id(0)
     dd = tl.arange(0, D)
@@ -202,7 +202,9 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     # WIDE skip: a KV head none of whose query-head groups runs for row b gets no work item, so its K/V
     # are never read
     n = tl.where(live > 0, tl.load(kv_len + j // HKV, mask=jok, other=0), 0)
-    ch = tl.maximum(tl.cdiv(tl.cdiv(tl.sum(n, 0), TARGET), BN), 1) * BN
+    # chunks of whole key blocks, about TARGET items in all, at most MC per pair (the merge reads them at once)
+    ch = tl.maximum(tl.maximum(tl.cdiv(tl.cdiv(tl.sum(n, 0), TARGET), BN), tl.cdiv(tl.cdiv(tl.max(n, 0), MC), BN)),
+                    1) * BN
     cnt = tl.cdiv(n, ch)
     cum = tl.cumsum(cnt, 0)
     if pid >= tl.sum(cnt, 0):
@@ -242,19 +244,16 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     if tl.atomic_add(tickets + pj, 1) != items - 1:
         return
     tl.atomic_xchg(tickets + pj, 0)  # the pair's last program: reset the ticket, then merge
-    m = tl.full([BH], float("-inf"), tl.float32)
-    l = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, D], tl.float32)
-    for it in range(first, first + items):
-        row = it * HPK + r
-        lse = tl.load(plse + row, mask=r < HPK, other=0.0, cache_modifier=".cg")
-        part = tl.load(po + row[:, None] * D + dd[None, :], mask=(r < HPK)[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        old, wgt = tl.exp2(m - m_new), tl.exp2(lse - m_new)
-        acc = acc * old[:, None] + wgt[:, None] * part
-        l = l * old + wgt
-        m = m_new
-    tl.store(optr, (acc / l[:, None]).to(o.dtype.element_ty), mask=act[:, None])
+    cc = tl.arange(0, MC)  # all of the pair's chunks at once, one query head at a time
+    cok = cc < items
+    for h in tl.static_range(HPK):
+        if tl.load(head_mask + b * G + (hk * HPK + h) // HPG) > 0:
+            row = (first + cc) * HPK + h
+            lse = tl.load(plse + row, mask=cok, other=float("-inf"), cache_modifier=".cg")
+            wgt = tl.where(cok, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+            part = tl.load(po + row[:, None] * D + dd[None, :], mask=cok[:, None], other=0.0, cache_modifier=".cg")
+            tl.store(o + b * sob + (hk * HPK + h) * soh + dd,
+                     (tl.sum(wgt[:, None] * part, 0) / tl.sum(wgt, 0)).to(o.dtype.element_ty))
 
 
 def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, tickets=None):
@@ -286,6 +285,6 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, ticket
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
         (1.0 / math.sqrt(D)) * 1.4426950408889634, HKV=Hkv, HPK=hpk, HPG=H // G,
         H2=triton.next_power_of_2(H), BJ=max(2, triton.next_power_of_2(B * Hkv)),
-        BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], D=D,
+        BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"], D=D,
         IEEE=q.dtype == torch.float32, **launch_args(cfg))
     return o

@@ -36,8 +36,9 @@ CONFIGS = {
     "gemm_k_small_long_k_fp8": dict(BM=16, BN=128, BK=128, num_warps=4, num_stages=6, SPLIT=8),  # 19.4 -> 19.2
     "gemm_k_atomic": dict(BN=128, BK=64, num_warps=8, num_stages=3),
     "attn_prefill": dict(BM=128, BN=64, num_warps=8, num_stages=3),
-    # Decode attention: a work list of about programs_per_sm x SMs (row, KV head, chunk) items.
-    "attn_decode": dict(BN=128, programs_per_sm=4, num_warps=8, num_stages=2),
+    # Decode attention: a work list of about programs_per_sm x SMs (row, KV head, chunk) items, at most
+    # max_chunks per (row, KV head).
+    "attn_decode": dict(BN=128, programs_per_sm=4, max_chunks=32, num_warps=8, num_stages=2),
 }
 if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per element
     LONG_K = 64  # so the small test shapes exercise both decode gemm_k variants
@@ -51,7 +52,7 @@ if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per ele
         "gemm_k_small_long_k": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_small_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2), "gemm_k_small_long_k_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_atomic": dict(BN=32, BK=16),
-        "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, programs_per_sm=4),
+        "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, programs_per_sm=4, max_chunks=4),
     })
 
 
