@@ -174,7 +174,7 @@ def profile_one(run, e, batch, context, replays=20):
     plan = e.plan(batch, True)
     assigned, _ = profile_step(dec, plan, token, pos)
     out = dict(summarize(assigned, op_bytes(e.model, plan, batch, context, masks), ms), masks=masks,
-               kernel_names=sorted({name for _, name, _, _ in assigned}))
+               kernel_names=sorted({name[:80] for _, name, _, _ in assigned}))
     del dec
     e.clear_caches()
     return out

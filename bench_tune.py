@@ -54,7 +54,7 @@ def tune_table(s):
         "gemm_k_small_fp8": (lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj", fp8=True), [
             v(4, 6, BM=16, BN=32, BK=128, SPLIT=2), *fma]),
         "attn_prefill": (lambda: case_prefill_attention(s), [v(8, 2, BM=128, BN=128)]),
-        "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, programs_per_sm=8), v(4, 2, BN=64, programs_per_sm=8),
+        "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16),
                                                            v(8, 3, BN=128, programs_per_sm=2), v(4, 3, BN=128, programs_per_sm=4)]),
     }
 
