@@ -23,6 +23,22 @@ of different lengths). A finished request frees its slot at once and the next on
   GPU each bucket's step is a CUDA graph (generate.CUDAGraphDecoder) over views of those rows, captured
   once. The dummy rows are real work: for WIDE they also widen the batch's mask union.
 - A request whose prompt + max_new_tokens exceed slot_len - 1 is rejected with a message; the others run.
+
+Under stress (tests/test_serve_stress.py):
+- Bounded queue: at most `max_queue` requests (default 1024) wait for a slot. One submitted to a full
+  queue is rejected at once, on the same path as a prompt that does not fit (error set, t_done = now,
+  in `done`, nothing queued), so overload costs an error line per request, never a queue that grows
+  without bound. The client retries later, or the operator raises max_queue.
+- Cancellation: cancel(req, now) stops a request wherever it is (queued, between prefill chunks, or
+  decoding). Its slot is free at once, it keeps the tokens it has, error = "cancelled".
+- Non-finite logits: the one host read of a step brings back each row's greedy token and, folded into
+  the same tensor, whether that row's logits were all finite (-1 where not), so the check costs no sync.
+  A row with NaN or inf ends alone with an error line naming the position; rows never mix in the model,
+  so every other request's tokens are untouched.
+- A request that ends early (cancelled or stopped) has its cache row zeroed. Attention masks stale
+  positions, but a masked NaN still gives NaN (0 * NaN); one left in the row (a poisoned request, or a
+  prompt cancelled between chunks, whose K/V nobody read back) would poison the slot's next occupants.
+  A request that ends normally had its last logits read back finite; its row is left as it is.
 Greedy decoding only: every request's tokens are then exactly those of generating it alone
 (tests/test_serve.py checks it on the CPU for both backends).
 """
@@ -39,13 +55,15 @@ from model import KVCache
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # decode batch sizes with their own CUDA graph
 
 
-@dataclass
+# eq=False: a request is compared by identity, so cancel() removes this request from the queue, not
+# another one that happens to carry the same prompt.
+@dataclass(eq=False)
 class Request:
     prompt: list                  # token ids
     max_new_tokens: int
     arrival: float = 0.0          # seconds after the start (or loop iterations, with a fake clock)
     tokens: list = field(default_factory=list)   # the generated ids
-    error: str = None             # set when the request was rejected
+    error: str = None             # set when it was rejected, cancelled or stopped (one line)
     slot: int = None
     prefilled: int = 0            # prompt tokens already in the cache
     t_first: float = None         # when the first new token was known (TTFT = t_first - arrival)
@@ -62,11 +80,26 @@ class SlotView(torch.nn.Module):
     update = KVCache.update  # scatter K/V at input_pos ([T], or [B, T] per row), as the full cache does
 
 
-class Server:
-    """Continuous batching over a fixed number of cache slots. forward: engine.select(model, backend)."""
+def greedy(logits):
+    """logits [..., vocab] -> the argmax ids [...], -1 where a row holds NaN or inf. One tensor, so the
+    one host read of a step brings back the tokens and the finiteness check together."""
+    return torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), -1)
 
-    def __init__(self, forward, n_slots, slot_len, chunk=None, cuda_graph=None):
+
+def read(now):
+    return time.perf_counter() if now is None else now()
+
+
+class Server:
+    """Continuous batching over a fixed number of cache slots. forward: engine.select(model, backend).
+    max_queue: how many requests may wait for a slot; submit() rejects the ones beyond it."""
+
+    def __init__(self, forward, n_slots, slot_len, chunk=None, cuda_graph=None, max_queue=1024):
         self.forward, self.n_slots, self.slot_len = forward, n_slots, slot_len
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise ValueError(f"max_queue {max_queue!r}: give a whole number >= 1 (how many requests may wait "
+                             f"for a slot before new ones are rejected)")
+        self.max_queue = max_queue
         self.is_engine = isinstance(forward, engine.Engine)
         self.model = forward.model if self.is_engine else forward
         if slot_len > self.model.config.max_seq_len:
@@ -79,7 +112,8 @@ class Server:
         self.buckets = sorted({b for b in BUCKETS if b < n_slots} | {n_slots})
         self.graphs = {}                 # bucket -> CUDAGraphDecoder
         self.slots = [None] * n_slots    # the request in each slot, or None
-        self.queue, self.done = [], []
+        self.queue = []                  # waiting for a slot, at most max_queue
+        self.done = []                   # every request that ended: done, rejected, cancelled or stopped
         self.steps, self.busy = 0, []    # decode steps run; running requests at each step
         self.marks = []                  # [phase, start, end (CUDA events or clock), tokens or rows]
 
@@ -93,16 +127,52 @@ class Server:
             layer.self_attn.kv_cache = SlotView(cache, rows)
 
     def submit(self, req, now=0.0):
+        """Queue a request (True), or reject it at once (False: error set, t_done = now, in `done`)."""
+        if req in self.queue or req in self.slots:  # identity (Request has eq=False)
+            raise ValueError("this request is already queued or running: cancel it first, or submit a new one")
+        # A request submitted again (a retry after a rejection, or after a cancel) starts from scratch.
+        req.tokens, req.prefilled, req.slot, req.t_first, req.error, req.t_done = [], 0, None, None, None, None
         need = len(req.prompt) + req.max_new_tokens
         # The last position (slot_len - 1) is the dummy rows' scratch: a request may use the ones before it.
         if need > self.slot_len - 1 or not req.prompt or req.max_new_tokens < 1:
-            req.error = (f"rejected: {len(req.prompt)} prompt tokens + {req.max_new_tokens} new tokens do not fit a "
-                         f"slot of {self.slot_len - 1} positions; shorten the prompt or lower max_new_tokens")
-            req.t_done = now
-            self.done.append(req)
+            why = (f"rejected: {len(req.prompt)} prompt tokens + {req.max_new_tokens} new tokens do not fit a "
+                   f"slot of {self.slot_len - 1} positions; shorten the prompt or lower max_new_tokens")
+        elif len(self.queue) >= self.max_queue:  # overload: refuse now rather than hold it without bound
+            why = (f"rejected: {len(self.queue)} requests already wait (max_queue {self.max_queue}); "
+                   f"retry later or raise max_queue")
+        else:
+            self.queue.append(req)
+            return True
+        self.end(req, now, why)
+        return False
+
+    def cancel(self, req, now=0.0):
+        """Stop a request wherever it is: queued, between prefill chunks, or decoding. Its slot is free at
+        once and it keeps the tokens it has (error "cancelled"). False if it had already ended, or was
+        never submitted here."""
+        if req in self.queue:
+            self.queue.remove(req)
+        elif req.slot is None or self.slots[req.slot] is not req:
             return False
-        self.queue.append(req)
+        self.end(req, now, "cancelled")
         return True
+
+    def end(self, req, t, error=None):
+        """Every way a request ends goes through here: done, rejected, cancelled, or stopped."""
+        req.error, req.t_done = error, t
+        if req.slot is not None and self.slots[req.slot] is req:
+            self.slots[req.slot] = None  # free at once: the next request can take it in the next iteration
+            if error is not None:
+                self.scrub(req.slot)
+        self.done.append(req)
+
+    def scrub(self, slot):
+        # Zero the slot's row in every layer, all positions (the scratch one too). Attention masks stale
+        # positions, but a masked NaN still makes NaN (0 * NaN), so a row that may hold one must not be
+        # handed on as it is. Only early ends pay for it (2 fills per layer), never a normal finish.
+        for cache in self.caches:
+            cache.k_cache[slot].zero_()
+            cache.v_cache[slot].zero_()
 
     def idle(self):
         return not self.queue and all(r is None for r in self.slots)
@@ -158,10 +228,10 @@ class Server:
         pos = torch.arange(start, end, device=self.device)                                # [T]
         logits = self.forward(idx, input_pos=pos, logits_at=torch.tensor([end - start - 1], device=self.device))
         req.prefilled = end
-        if end == P:  # the last piece: its last position gives the first new token
-            req.tokens.append(int(logits[0, -1].argmax()))
-            req.t_first = time.perf_counter() if now is None else now()
-            self.finish_if_done(req, now)
+        # Only the last piece is read back: a NaN in an earlier chunk's K/V shows there, as every later
+        # position attends to it.
+        if end == P:  # the last piece: its last position gives the first new token (or -1: not finite)
+            self.take(req, int(greedy(logits[0, -1])), now)
         return end - start
 
     def decode(self, now):
@@ -185,19 +255,27 @@ class Server:
         else:
             self.use_rows(slice(0, n))
             logits = self.forward(token, input_pos=pos.view(-1, 1))[:, -1]
-        nxt = logits.argmax(-1).tolist()  # greedy; the one host sync of a step
+        nxt = greedy(logits).tolist()  # the one host sync of a step: tokens, -1 for a non-finite row
         self.steps += 1
         self.busy.append(len(running))
         for r in running:
-            r.tokens.append(nxt[r.slot])
-            self.finish_if_done(r, now)
+            self.take(r, nxt[r.slot], now)
         return len(running)
 
-    def finish_if_done(self, req, now):
+    def take(self, req, token, now):
+        """A running request's next token: append it (ending the request at max_new_tokens), or, for -1,
+        stop the request alone. Rows never mix in the model (WIDE's mask union only decides which tiles
+        run, never another row's values), so the other requests run on untouched."""
+        if token < 0:
+            p = len(req.prompt) + len(req.tokens) - 1  # the position whose logits were not finite
+            self.end(req, read(now), f"non-finite logits (NaN or inf) at position {p}; the request was stopped "
+                                     f"with its {len(req.tokens)} tokens (check the weights, or run in bf16/fp32)")
+            return
+        req.tokens.append(token)
+        if len(req.tokens) == 1:
+            req.t_first = read(now)
         if len(req.tokens) == req.max_new_tokens:
-            req.t_done = time.perf_counter() if now is None else now()
-            self.slots[req.slot] = None
-            self.done.append(req)
+            self.end(req, read(now))
 
     @torch.no_grad()  # the Triton engine refuses grad-enabled calls, and graphs capture no autograd
     def warm_up(self):
@@ -208,7 +286,7 @@ class Server:
             self.graphs[n] = CUDAGraphDecoder(self.forward, z, z.view(-1).clone())
 
     def run(self, requests, now=None):
-        """Serve requests (arrival: seconds after the start) until all are done or rejected.
+        """Serve requests (arrival: seconds after the start) until each has ended (done, rejected, stopped).
         now: a clock (default the wall clock, arrivals in real time); tests pass a fake one."""
         clock = now or time.perf_counter
         t0 = clock()
