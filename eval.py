@@ -16,6 +16,9 @@ Rows:
   shared       batch-shared FFN routing at serving time (BatchShared): WIDE stage 2 at 0.5 (and the
                attention-leaning 75/25 routers if trained) with B held-out windows decoding side by side
                and a channel group run for the whole batch iff at least k of their tokens want it
+  serving      bench_serve.py's profiles (the routers trained at 0.5 and at a0.75/f0.25), per token and under
+               the batch rule for FFN width (model.Transformer.routes_ffn) -> results/quality_serving.{json,md}
+               (--serving-only: these rows alone, the quality table untouched)
   fp8          dense and WIDE (stage 2 at 0.5) with fp8 weights: the prunable linears (q, k, v, o, gate, up,
                down) rounded to e4m3 with one scale per output channel (kernels.quantize_fp8), as
                engine.Engine(weights="fp8") serves them; next to the same models in their own dtype
@@ -198,6 +201,43 @@ def shared_rows(args, x, y):
     return rows
 
 
+def serving_rows(args, x, y, dense_ppl):
+    """The quality of bench_serve.py's router profiles, WIDE 50/50 and 75/25, taken as the routers trained
+    at those targets (OUT/wide-s0.5-stage2, OUT/wide-a0.75-f0.25-stage2), each two ways: per-token routing
+    (a prompt token, and a token decoded in a step of at most ffn_router_max_decode_rows rows) and under
+    the batch rule for FFN width (a token decoded in a step of more rows: its FFN runs whole, its attention
+    stays routed; model.Transformer.routes_ffn). A served request mixes the two by its batch sizes."""
+    rows = [dict(profile="dense", attn=0.0, ffn=0.0, ffn_rule="-", val_ppl=round(dense_ppl, 3), ppl_vs_dense=1.0)]
+    for name, path, (a, f) in (("50/50", args.dial_from, (0.5, 0.5)),
+                               ("75/25", os.path.join(args.out_dir, "wide-a0.75-f0.25-stage2"), (0.75, 0.25))):
+        if not os.path.isfile(os.path.join(path, "wide.json")):
+            print(f"{path}: not trained, no serving rows for WIDE {name}", flush=True)
+            continue
+        model, _ = load_wide(path, device=args.device)
+        for rule in ("per token", "dense at decode"):
+            if rule == "dense at decode":  # what the batch rule runs: no FFN router asked
+                for layer in model.layers:
+                    layer.ffn_router = None
+            ppl, rates = score(model, x, y, args)
+            rows.append(dict(profile=name, attn=a, ffn=f, ffn_rule=rule, checkpoint=path, val_ppl=round(ppl, 3),
+                             ppl_vs_dense=round(ppl / dense_ppl, 4), attn_skip=round(mean(rates["attn"]), 4),
+                             ffn_skip=round(mean(rates.get("ffn", [0.0])), 4)))
+            print(f"WIDE {name}, {rule}: ppl {ppl:.2f} ({rows[-1]['ppl_vs_dense']:.3f}x dense)", flush=True)
+    return rows
+
+
+def serving_markdown(rows, meta):
+    out = [f"# Perplexity of the serving profiles ({meta['device']}, torch {meta['torch']}, {meta['date']})", "",
+           f"`{meta['command']}` on the held-out plays ({meta['held_out_tokens']} tokens, windows of "
+           f"{meta['block_size']}). 'per token': the routers decide every group; 'dense at decode': the batch rule "
+           "for FFN width (a decode step of more than 4 rows runs the whole FFN, attention stays routed). "
+           "bench_serve.py's WIDE 50/50 and 75/25 profiles are these routers' targets.", "",
+           "| profile | FFN rule | val ppl | ppl / dense | attn skipped | FFN skipped |", "|---|---|---|---|---|---|"]
+    out += [f"| {r['profile']} | {r['ffn_rule']} | {r['val_ppl']:.2f} | {r['ppl_vs_dense']:.3f} | "
+            f"{r.get('attn_skip', 0):.1%} | {r.get('ffn_skip', 0):.1%} |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
 def mean(v):
     return sum(v) / len(v)
 
@@ -298,6 +338,8 @@ def parser():
     p.add_argument("--no-baselines", action="store_true", help="router rows only (no static width, TEAL, matching)")
     p.add_argument("--shared-batch", type=count, nargs="*", default=[8, 16], help="decode batch sizes for the "
                    "batch-shared FFN routing rows (none: no such rows)")
+    p.add_argument("--serving-only", action="store_true", help="only results/quality_serving.* (bench_serve.py's "
+                   "profiles, per token and under the batch rule for FFN width), the quality table untouched")
     p.add_argument("--device", default="auto")
     return p
 
@@ -328,6 +370,14 @@ def main(argv=None):
 
     dense_ppl, _ = score(base_model(args), x, y, args)
     print(f"dense: ppl {dense_ppl:.2f} over {y.numel()} held-out tokens", flush=True)
+    meta = dict(date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
+                device=args.device, torch=torch.__version__, held_out_plays=list(data.HELD_OUT),
+                held_out_tokens=y.numel(), block_size=args.block_size)
+    serving = serving_rows(args, x, y, dense_ppl)
+    os.makedirs(args.results, exist_ok=True)
+    save_results(os.path.join(args.results, "quality_serving"), dict(meta, rows=serving), serving_markdown(serving, meta))
+    if args.serving_only:
+        return
     trained, group_cfg = router_rows(args, x, y)
     rows = [row("dense", 0, 0.0, dense_ppl, 0.0, 0.0, 1.0)] + trained + dial_rows(args, x, y)
     group_cfg = group_cfg or wide.WideConfig()
@@ -355,20 +405,21 @@ def main(argv=None):
     fp8 = fp8_rows(args, x, y, dense_ppl)
     batch_shared = shared_rows(args, x, y)
 
-    os.makedirs(args.results, exist_ok=True)
-    meta = dict(date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
-                device=args.device, torch=torch.__version__, held_out_plays=list(data.HELD_OUT),
-                held_out_tokens=y.numel(), block_size=args.block_size)
     extra_static_teal = sorted(cache.values(), key=lambda r: (r["method"], r["target_sparsity"]))
-    with open(os.path.join(args.results, "quality.json"), "w") as f:
-        json.dump(dict(meta, dense_val_ppl=round(dense_ppl, 3), rows=rows, matched_flops=matched,
-                       baseline_evaluations=extra_static_teal, fp8=fp8, batch_shared=batch_shared), f, indent=2)
     md = markdown(rows, matched, dense_ppl, meta, fp8, batch_shared)
-    with open(os.path.join(args.results, "quality.md"), "w") as f:
-        f.write(md)
+    save_results(os.path.join(args.results, "quality"), dict(
+        meta, dense_val_ppl=round(dense_ppl, 3), rows=rows, matched_flops=matched, baseline_evaluations=extra_static_teal,
+        fp8=fp8, batch_shared=batch_shared), md)
     print(md)
     if not args.no_plot:
         plot(rows, extra_static_teal, dense_ppl, os.path.join(args.results, "quality.png"))
+
+
+def save_results(prefix, record, md):
+    with open(prefix + ".json", "w") as f:
+        json.dump(record, f, indent=2)
+    with open(prefix + ".md", "w") as f:
+        f.write(md)
 
 
 def target_label(r):

@@ -279,3 +279,31 @@ def test_shared_rows_use_full_batches_and_share_fewer_groups_as_k_grows(tmp_path
     live = {(r["batch"], r["k"]): r["ffn_live_in_batch"] for r in rows}
     assert live[2, 1] >= live[2, 2] and live[4, 1] >= live[4, 2] and live[4, 1] >= live[2, 1]
     assert live[4, 1] > 1 - rows[0]["per_token_ffn_skip"], "the union of 4 tokens runs more than one token"
+
+
+def test_serving_rows_score_each_profile_per_token_and_under_the_batch_rule(tmp_path):
+    # bench_serve.py's profiles: the routers trained at 0.5 and at a0.75/f0.25, per token and with the FFN
+    # run whole (the batch rule at decode); a profile not trained gives no rows.
+    import types
+    import data
+    import eval as ev
+    tok = data.train_tokenizer(["To be, or not to be, that is the question."] * 4, 300)
+    model, wcfg = wide_model()
+    checkpoints.save_wide(str(tmp_path / "wide-s0.5-stage2"), model, tok, wcfg)
+    args = types.SimpleNamespace(out_dir=str(tmp_path), dial_from=str(tmp_path / "wide-s0.5-stage2"), batch_size=4,
+                                 device="cpu")
+    x = tokens(8, 16)
+    y = x.roll(-1, 1)
+    rows = ev.serving_rows(args, x, y, dense_ppl=10.0)
+    assert [(r["profile"], r["ffn_rule"]) for r in rows] == [("dense", "-"), ("50/50", "per token"),
+                                                              ("50/50", "dense at decode")]
+    per_token, ruled = rows[1], rows[2]
+    assert per_token["ffn_skip"] > 0 and ruled["ffn_skip"] == 0 and ruled["attn_skip"] > 0  # attention stays routed
+    want, _ = ev.score(model, x, y, args)  # the same routers, then with no FFN router
+    assert per_token["val_ppl"] == round(want, 3) and per_token["ppl_vs_dense"] == round(want / 10.0, 4)
+    for layer in model.layers:
+        layer.ffn_router = None
+    assert ruled["val_ppl"] == round(ev.score(model, x, y, args)[0], 3) != per_token["val_ppl"]
+    md = ev.serving_markdown(rows, dict(device="cpu", torch="t", date="d", command="c", held_out_tokens=128,
+                                        block_size=16))
+    assert "| 50/50 | dense at decode |" in md and "| dense | - |" in md
