@@ -248,10 +248,10 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     cok = cc < items
     for h in tl.static_range(HPK):
         if tl.load(head_mask + b * G + (hk * HPK + h) // HPG) > 0:
-            row = (first + cc) * HPK + h
-            lse = tl.load(plse + row, mask=cok, other=float("-inf"), cache_modifier=".cg")
+            crow = (first + cc) * HPK + h
+            lse = tl.load(plse + crow, mask=cok, other=float("-inf"), cache_modifier=".cg")
             wgt = tl.where(cok, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-            part = tl.load(po + row[:, None] * D + dd[None, :], mask=cok[:, None], other=0.0, cache_modifier=".cg")
+            part = tl.load(po + crow[:, None] * D + dd[None, :], mask=cok[:, None], other=0.0, cache_modifier=".cg")
             tl.store(o + b * sob + (hk * HPK + h) * soh + dd,
                      (tl.sum(wgt[:, None] * part, 0) / tl.sum(wgt, 0)).to(o.dtype.element_ty))
 
