@@ -182,8 +182,9 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     read. Grid (NP + B): programs 0..NP-1 take item pid if it exists; program NP + b writes the zeros of
     row b's inactive heads. A program owns its KV head's HPK query heads as rows (padded to BH).
     The merge is in the same launch: a pair cut into several chunks stores each chunk's normalised partial
-    and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (all MC at once,
-    so the result does not depend on which finished last) and resets the ticket. At most MC chunks per pair. Twin: attention_decode_ref.
+    and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (in chunk order,
+    so the result does not depend on which finished last) and resets the ticket. At most MC chunks per pair
+    (longer chunks instead), so that merge stays short. Twin: attention_decode_ref.
     """
     pid = tl.program_id(0)
     dd = tl.arange(0, D)
@@ -202,7 +203,7 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     # WIDE skip: a KV head none of whose query-head groups runs for row b gets no work item, so its K/V
     # are never read
     n = tl.where(live > 0, tl.load(kv_len + j // HKV, mask=jok, other=0), 0)
-    # chunks of whole key blocks, about TARGET items in all, at most MC per pair (the merge reads them at once)
+    # chunks of whole key blocks, about TARGET items in all, at most MC per pair (the merge reads them in turn)
     ch = tl.maximum(tl.maximum(tl.cdiv(tl.cdiv(tl.sum(n, 0), TARGET), BN), tl.cdiv(tl.cdiv(tl.max(n, 0), MC), BN)),
                     1) * BN
     cnt = tl.cdiv(n, ch)
@@ -244,16 +245,19 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     if tl.atomic_add(tickets + pj, 1) != items - 1:
         return
     tl.atomic_xchg(tickets + pj, 0)  # the pair's last program: reset the ticket, then merge
-    cc = tl.arange(0, MC)  # all of the pair's chunks at once, one query head at a time
-    cok = cc < items
-    for h in tl.static_range(HPK):
-        if tl.load(head_mask + b * G + (hk * HPK + h) // HPG) > 0:
-            crow = (first + cc) * HPK + h
-            lse = tl.load(plse + crow, mask=cok, other=float("-inf"), cache_modifier=".cg")
-            wgt = tl.where(cok, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-            part = tl.load(po + crow[:, None] * D + dd[None, :], mask=cok[:, None], other=0.0, cache_modifier=".cg")
-            tl.store(o + b * sob + (hk * HPK + h) * soh + dd,
-                     (tl.sum(wgt[:, None] * part, 0) / tl.sum(wgt, 0)).to(o.dtype.element_ty))
+    m = tl.full([BH], float("-inf"), tl.float32)  # the pair's chunks in order, one partial at a time:
+    l = tl.zeros([BH], tl.float32)                 # a merge over all MC at once would hold them all in
+    acc = tl.zeros([BH, D], tl.float32)            # registers for the whole kernel and cost it occupancy
+    for it in range(first, first + items):
+        crow = it * HPK + r
+        lse = tl.load(plse + crow, mask=r < HPK, other=0.0, cache_modifier=".cg")
+        part = tl.load(po + crow[:, None] * D + dd[None, :], mask=(r < HPK)[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        old, wgt = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+        acc = acc * old[:, None] + wgt[:, None] * part
+        l = l * old + wgt
+        m = m_new
+    tl.store(optr, (acc / l[:, None]).to(o.dtype.element_ty), mask=act[:, None])
 
 
 def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, tickets=None):
