@@ -2,7 +2,7 @@
 Serving: many requests at once through one static KV cache (continuous batching).
 
 Whether WIDE keeps its gains there is measured by bench_serve.py (Poisson arrivals, dense vs WIDE ->
-results/serving_h200.*); why weight skipping fades as the batch grows, by mask_union.py.
+results/serving_h200_{mixed,8k,long}.*); why weight skipping fades as the batch grows, by mask_union.py.
 
 The loop (Server): the cache has `n_slots` rows of `slot_len` positions, set up once. Requests wait in
 a queue; each takes the lowest free slot, is prefilled into it, then decodes one token per step next to
@@ -39,8 +39,10 @@ Under stress (tests/test_serve_stress.py):
   positions, but a masked NaN still gives NaN (0 * NaN); one left in the row (a poisoned request, or a
   prompt cancelled between chunks, whose K/V nobody read back) would poison the slot's next occupants.
   A request that ends normally had its last logits read back finite; its row is left as it is.
-Greedy decoding only: every request's tokens are then exactly those of generating it alone
-(tests/test_serve.py checks it on the CPU for both backends).
+Greedy decoding only: with decode steps of at most model.ffn_router_max_decode_rows rows (4; None: any)
+every request's tokens are then exactly those of generating it alone (tests/test_serve.py checks it on the
+CPU for both backends); a larger step runs the whole FFN (the batch rule, model.Transformer.routes_ffn),
+so a request's tokens then depend on the batch it ran in.
 """
 import contextlib
 import time
