@@ -207,6 +207,17 @@ def decode_row(run, m, batch, context, log):
         wide_ms[name], got = with_engine(m, True, pol, lambda e: time_decode(run, e, batch, context, steps))
         masks = masks or got
         log(f"  WIDE ({name}): {wide_ms[name]:.3f} ms, masks {got}")
+    # The vote rule (model.ffn_vote, off by default: it changes what a token computes), timed on the side:
+    # an FFN group runs for the whole batch iff >= k rows want it. Never the row's headline WIDE time.
+    votes = {}
+    for k in (batch // 4, batch // 2) if batch > engine.Policy().sparse_decode_max_tokens else ():
+        m.ffn_vote = k
+        try:
+            ms, got = with_engine(m, True, engine.Policy(), lambda e: time_decode(run, e, batch, context, steps))
+        finally:
+            m.ffn_vote = None
+        votes[k] = dict(ms=ms, speedup=min(dense.values()) / ms, ffn_union_live=got["ffn_union_live"])
+        log(f"  WIDE, vote k={k}: {ms:.3f} ms, FFN groups live {got['ffn_union_live']:.1%}")
     d_attn, d_ms = min(dense.items(), key=lambda kv: kv[1])
     w_pol, w_ms = min(wide_ms.items(), key=lambda kv: kv[1])
     nbytes = weight_bytes(m) + kv_bytes(m, batch, context)
@@ -215,7 +226,7 @@ def decode_row(run, m, batch, context, log):
                 dense_GBps=nbytes / d_ms / 1e6, dense_copy_frac=nbytes / d_ms / 1e6 / COPY_GBS,
                 byte_limit_speedup=nbytes / wide_bytes(m, batch, context, masks), bytes_per_step=nbytes,
                 dense_attention=d_attn, dense_ms_by_attention=dense, wide_policy=w_pol,
-                wide_ms_by_policy=wide_ms, masks=masks, steps=steps)
+                wide_ms_by_policy=wide_ms, masks=masks, steps=steps, ffn_vote=votes)
 
 
 def fp8_row(run, m, batch, context, log):
@@ -374,7 +385,9 @@ def markdown(m):
         if "dense_ms_by_attention" in r:
             out.append(f"- batch {r['batch']}, context {r['context']}: dense "
                        + ", ".join(f"{k} {v:.3f}" for k, v in r["dense_ms_by_attention"].items())
-                       + "; WIDE " + ", ".join(f"{k} {v:.3f}" for k, v in r["wide_ms_by_policy"].items()))
+                       + "; WIDE " + ", ".join(f"{k} {v:.3f}" for k, v in r["wide_ms_by_policy"].items())
+                       + "".join(f"; vote rule k={k}: {v['ms']:.3f} ({v['speedup']:.2f}x dense, FFN groups live "
+                                 f"{v['ffn_union_live']:.0%})" for k, v in r.get("ffn_vote", {}).items()))
         elif "model" in r:
             out.append(f"- {r['phase']}, batch {r['batch']}: {r['model']}")
     for r in rows:

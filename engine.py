@@ -38,6 +38,7 @@ import kernels
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_attention import attention_decode, attention_prefill
 from kernels_step import norm_route, rms_norm, rope_and_store
+from model import shared_by_vote
 from policy import Plan, Policy, Shape  # noqa: F401 (engine.Policy is the name callers use)
 
 
@@ -155,7 +156,8 @@ class Engine:
         """The plan of a step of `tokens` tokens (B * T) with the model's routers as they are now."""
         dtype = self.model.embed_tokens.weight.dtype
         shape = Shape(tokens, decode, start, {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16"),
-                      self.weights == "fp8", dense_ffn=decode and not self.model.routes_ffn(tokens, 1, True))
+                      self.weights == "fp8", dense_ffn=decode and not self.model.routes_ffn(tokens, 1, True),
+                      ffn_vote=decode and self.model.ffn_vote_k(tokens, 1, True) is not None)
         routers = tuple((router_kind(l.attn_router), router_kind(l.ffn_router)) for l in self.model.layers)
         if (shape, routers) not in self.plans:
             self.plans[shape, routers] = self.policy.plan(shape, routers)
@@ -220,19 +222,20 @@ class Engine:
         the RMSNorm and the router (norm_route), so a decode step has no separate launches for them."""
         n, head_mask = self.norm_route(ops["attn_norm"], x, layer.input_layernorm, layer.attn_router, masks, "attn")
         a = self.attention(layer, ops, n, step, head_mask, residual=x)
+        vote = self.model.ffn_vote_k(*x.shape[:2], True) if step.decode else None  # the vote rule, if on
         if ops["o"].runs == "Triton":  # the O projection's kernel already formed h = x + a
             h = a
             n, channel_mask = self.norm_route(ops["ffn_norm"], h, layer.post_attention_layernorm,
-                                              layer.ffn_router, masks, "ffn")
+                                              layer.ffn_router, masks, "ffn", vote=vote)
         else:                          # the norm's kernel forms it: (h, norm(h)) with h = x + a
             (h, n), channel_mask = self.norm_route(ops["ffn_norm"], a, layer.post_attention_layernorm,
-                                                   layer.ffn_router, masks, "ffn", residual=x)
+                                                   layer.ffn_router, masks, "ffn", residual=x, vote=vote)
         return self.ffn(layer, ops, n, channel_mask, residual=h)  # h + FFN(n)
 
-    def norm_route(self, op, x, norm, router, masks, kind, residual=None):
+    def norm_route(self, op, x, norm, router, masks, kind, residual=None, vote=None):
         """(norm(x) or (h, norm(h)) with h = residual + x, and the router's decision on x or h as a bool
-        mask [B, T, G] (True = the group runs; None without a router). The float mask goes into
-        `masks` as the reference forward records it."""
+        mask [B, T, G] (True = the group runs; None without a router), shared by the step's rows under the
+        vote rule (vote: the rows a group needs). The float mask goes into `masks` as the reference records it."""
         if op.kind == "norm":
             if router is not None and masks is not None:  # the batch rule: every group ran, as the model records
                 masks.setdefault(kind, []).append(x.new_ones(*x.shape[:-1], router.n_groups, dtype=torch.float32))
@@ -242,6 +245,9 @@ class Engine:
         else:  # "norm_then_router"
             normed = rms_norm(x, norm, residual)
             keepf = router(x if residual is None else normed[0])  # at inference exactly 0 or 1
+            keep = keepf > 0.5
+        if vote is not None:
+            keepf = shared_by_vote(keepf.float(), vote)
             keep = keepf > 0.5
         if masks is not None:
             masks.setdefault(kind, []).append(keepf)

@@ -224,6 +224,10 @@ def parse_args(argv):
     p.add_argument("--weights", default="bf16", choices=["bf16", "fp8"],
                    help="fp8: the pruned linears' weights quantized once to e4m3 (per-output-channel scales), "
                         "read as fp8 by the decode kernels (backend triton)")
+    p.add_argument("--ffn-vote", type=cli.integer(1), default=None, help="the vote rule for FFN width (off by "
+                   "default): in a decode step an FFN channel group runs for every row iff at least K rows want it, "
+                   "so a row's output depends on its batch (without it, decode steps of more than 4 rows run the "
+                   "whole FFN: the batch rule)")
     p.add_argument("--compare-dense", action="store_true", help="also time the same generation with the "
                    "routers off (the dense model, same engine) and print both speeds")
     args = p.parse_args(argv)
@@ -332,6 +336,7 @@ def compare_dense(args, model, forward, backend, idx, lengths):
 def main(argv=None):
     args = parse_args(argv)
     path, model, wcfg, dial = load(args)
+    model.ffn_vote = args.ffn_vote
     forward = engine.select(model.eval(), args.backend, weights=args.weights)  # the one backend switch
     backend = "triton" if isinstance(forward, engine.Engine) else "torch"
     if args.weights == "fp8" and backend == "torch":

@@ -230,7 +230,7 @@ class Block(nn.Module):
         self.ffn_router = None    # -> channel_mask [B, T, G_ffn]
         self.layer_router = None  # -> [B, T, 1] gate on both residual branches (layer-skip baseline)
 
-    def forward(self, x, cos, sin, attn_mask, input_pos, masks=None, route_ffn=True):
+    def forward(self, x, cos, sin, attn_mask, input_pos, masks=None, route_ffn=True, ffn_vote=None):
         # Routers read the residual *before* the RMSNorm: the attention router sees the layer input,
         # the FFN router the residual after attention (as in the paper's code).
         head_mask = self.attn_router(x) if self.attn_router is not None else None
@@ -238,6 +238,8 @@ class Block(nn.Module):
         a = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, input_pos, head_mask)
         h = x + (a if gate is None else a * gate)
         channel_mask = ran = self.ffn_router(h) if self.ffn_router is not None and route_ffn else None
+        if channel_mask is not None and ffn_vote is not None:  # the vote rule (Transformer.ffn_vote)
+            channel_mask = ran = shared_by_vote(channel_mask, ffn_vote)
         if self.ffn_router is not None and not route_ffn:  # the batch rule (Transformer.routes_ffn): the
             ran = h.new_ones(*h.shape[:-1], self.ffn_router.n_groups, dtype=torch.float32)  # all ran
         f = self.mlp(self.post_attention_layernorm(h), channel_mask)
@@ -246,6 +248,11 @@ class Block(nn.Module):
                 if m is not None:
                     masks.setdefault(kind, []).append(m)
         return h + (f if gate is None else f * gate)
+
+
+def shared_by_vote(mask, k):
+    """mask [B, 1, G] of one decode step -> the same shape: a group runs for every row iff >= k rows want it."""
+    return (mask.sum(0, keepdim=True) >= k).to(mask.dtype).expand_as(mask)
 
 
 def is_wide_tensor(name):
@@ -272,13 +279,25 @@ class Transformer(nn.Module):
         # attention keeps its per-row routing (its KV-head skip pays at any batch). None: always route.
         # The Triton engine's plan follows the same rule (engine.Engine.plan), so the two stay equal.
         self.ffn_router_max_decode_rows = 4
+        # The vote rule for FFN width, off by default (None), and when set it replaces the batch rule: in a
+        # decode step an FFN channel group runs for every row iff at least ffn_vote of the step's rows want
+        # it (all of them, if the step has fewer rows). The batch then skips the groups few tokens want and
+        # reads fewer weight bytes, at a quality cost (eval.py's batch-shared rows); a token may lose a group
+        # its router asked for, so a request's output depends on its batch, as with MoE capacity limits.
+        self.ffn_vote = None
         self.apply(self._init_weights)
 
     def routes_ffn(self, rows, tokens_per_row, cached):
         """Whether a step asks its FFN routers: always, except a decode step (one token per row, with a
-        KV cache) of more rows than ffn_router_max_decode_rows."""
+        KV cache) of more rows than ffn_router_max_decode_rows while the vote rule is off."""
         limit = self.ffn_router_max_decode_rows
-        return not (cached and tokens_per_row == 1 and limit is not None and rows > limit)
+        return self.ffn_vote is not None or not (cached and tokens_per_row == 1 and limit is not None and rows > limit)
+
+    def ffn_vote_k(self, rows, tokens_per_row, cached):
+        """The vote a decode step's FFN groups need (the vote rule), or None: not a decode step, or the rule off."""
+        if self.ffn_vote is None or not (cached and tokens_per_row == 1):
+            return None
+        return min(self.ffn_vote, rows)
 
     def _init_weights(self, m):
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -334,12 +353,12 @@ class Transformer(nn.Module):
         else:
             attn_mask = None if input_pos is None else self.causal_mask[None, None, input_pos]
         x = self.embed_tokens(idx)
-        route_ffn = self.routes_ffn(B, T, input_pos is not None)
+        route_ffn, vote = self.routes_ffn(B, T, input_pos is not None), self.ffn_vote_k(B, T, input_pos is not None)
         for layer in self.layers:
             # A fresh dict per layer: FSDP2 rebuilds the containers in a layer's arguments that hold
             # tensors needing gradients, so a dict already holding earlier layers' masks would be a copy.
             got = None if masks is None else {}
-            x = layer(x, cos, sin, attn_mask, input_pos, got, route_ffn)
+            x = layer(x, cos, sin, attn_mask, input_pos, got, route_ffn, vote)
             for kind, m in (got or {}).items():
                 masks.setdefault(kind, []).extend(m)
         if logits_at is not None:

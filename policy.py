@@ -30,6 +30,8 @@ class Shape(NamedTuple):
     fp8: bool = False      # Engine(weights="fp8"): the prunable linears' weights as e4m3 codes
     dense_ffn: bool = False  # the batch rule for FFN width (model.Transformer.routes_ffn) turned this step's
                              # FFN routers off: a decode step of many rows runs the whole FFN, as dense
+    ffn_vote: bool = False   # the vote rule (model.Transformer.ffn_vote): the step's rows share one FFN mask,
+                             # so the decode kernels skip the groups the vote drops for every row
 
 
 class Op(NamedTuple):
@@ -115,6 +117,10 @@ class Policy:
         w = "fp8" if read_fp8 else (f"fp8 -> {shape.dtype}" if shape.fp8 else shape.dtype)
         sparse_mn = M <= self.sparse_decode_max_tokens or M >= self.sparse_prefill_min_tokens
         sparse_k = M <= self.sparse_decode_max_tokens
+        # Under the vote rule the rows share one FFN mask: the GEMV and gemm_k skip what the vote drops, up to
+        # SMALL_M rows (a per-row mask's union would cover nearly every group there)
+        ffn_mn = sparse_mn or (shape.ffn_vote and M <= SMALL_M)
+        ffn_k = sparse_k or (shape.ffn_vote and M <= SMALL_M)
         q_tiles = attn_router is not None and sparse_mn and M > SMALL_M and not read_fp8
         ops = {"attn_norm": self.norm_op(M, attn_router)}
         if attn_router is not None and (not decode or q_tiles):  # prefill attention and Q's tiles read it
@@ -134,14 +140,14 @@ class Policy:
         if read_fp8:
             ops["gate_up"] = Op("gemv_fused" if ffn_router is not None else "gemv_fused_all", "Triton", w,
                                 ("gemv_mn_kernel",))
-        elif ffn_router is not None and sparse_mn and M <= SMALL_M:
+        elif ffn_router is not None and ffn_mn and M <= SMALL_M:
             ops["gate_up"] = Op("gemv_fused", "Triton", w, ("gemv_mn_kernel",))
         elif ffn_router is not None and sparse_mn:
             ops["ffn_layout"] = Op("layout", "Triton", kernels=LAYOUT)
             ops["gate_up"] = Op("tiles_fused", "Triton", w, ("gemm_mn_kernel",))
         else:
             ops["gate_up"] = Op("cublas_masked" if ffn_router is not None else "cublas", "cuBLAS", w)
-        ops["down"] = reduction_op(ffn_router, read_fp8, sparse_k, w)
+        ops["down"] = reduction_op(ffn_router, read_fp8, ffn_k, w)
         return {name: ops[name] for name in LAYER_OPS if name in ops}
 
     def norm_op(self, M, router):
@@ -194,6 +200,9 @@ class Plan(NamedTuple):
                 "a prefill" + (f" chunk at position {s.start}" if s.start else ""))
         weights = "fp8 weights for the prunable linears" if s.fp8 else f"{s.dtype} weights"
         lines = [f"{what} of {s.tokens} token{'s' if s.tokens != 1 else ''}, {weights}:"]
+        if s.ffn_vote:
+            lines.append("  (the vote rule: an FFN channel group runs for every row iff enough of the step's rows "
+                         "want it, model.ffn_vote)")
         if s.dense_ffn:
             lines.append("  (the batch rule: a decode step of more rows than the model's ffn_router_max_decode_rows "
                          "runs every FFN channel group; its routers are not asked)")

@@ -187,3 +187,65 @@ def test_the_printed_plan_names_every_op_where_it_runs():
     assert "gemv_mn's live-group list" in decode and "only the KV heads whose head group runs" in decode
     fp8 = engine.Engine(wide_model(routers=False), weights="fp8").plan(1, True).text()
     assert "fp8 weights for the prunable linears" in fp8 and "[fp8]" in fp8 and "lm_head" in fp8
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_the_vote_rule_shares_one_ffn_mask_per_decode_step(k):
+    # The reference (model.py) under Transformer.ffn_vote = k: at 8 rows a channel group runs for every row
+    # iff >= k rows' routers want it, and the step equals the same model with each FFN router's decision
+    # replaced by that vote; a step of fewer rows than k needs all of them; prefill is never voted.
+    m = wide_model()
+    routers = [l.ffn_router for l in m.layers]
+
+    class Voted(torch.nn.Module):  # the vote, by hand: the decision of the wrapped router, shared
+        def __init__(self, r, k):
+            super().__init__()
+            self.r, self.k = r, k
+
+        def forward(self, h):
+            want = self.r(h)
+            return (want.sum(0, keepdim=True) >= self.k).to(want.dtype).expand_as(want)
+
+    with torch.no_grad():
+        for B in (8, 3):
+            m.ffn_vote = k
+            got = {}
+            out = decode_step_logits(m, B, got)
+            m.ffn_vote, m.ffn_router_max_decode_rows = None, None  # per-token routing at any batch, by hand
+
+            def by_hand():
+                for l, r in zip(m.layers, routers):
+                    l.ffn_router = Voted(r, min(k, B))
+            want = decode_step_logits(m, B, between=by_hand)
+            for l, r in zip(m.layers, routers):
+                l.ffn_router = r
+            plain = decode_step_logits(m, B)
+            m.ffn_router_max_decode_rows = 4
+            assert torch.allclose(out, want, atol=1e-5) and not torch.allclose(out, plain, atol=1e-3), (B, k)
+            for mask in got["ffn"]:
+                assert bool((mask == mask[:1]).all()), "every row of a voted step runs the same groups"
+    assert m.ffn_vote_k(8, 1, True) is None and m.routes_ffn(8, 1, True) is False  # off by default
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_the_engine_follows_the_vote_rule_and_its_kernels_skip_what_the_vote_drops(k, launches, one_thread):
+    # Engine == reference at 8 rows under the vote; the FFN runs through gemv_mn and gemm_k (which skip the
+    # groups no row runs: with one shared mask, the ones the vote drops), as the plan lists.
+    m, ref = wide_model(), wide_model()
+    m.ffn_vote = ref.ffn_vote = k
+    e = engine.Engine(m)
+    got, want_masks = {}, {}
+    with torch.no_grad():
+        step = run_step(e, m, 8, 1, None)
+        launches.clear()
+        out = step()
+        launched = Counter({n: len(v) for n, v in launches.grids.items()})
+        out_masks = decode_step_logits(e, 8, got)
+        want = decode_step_logits(ref, 8, want_masks)
+    plan = e.plan(8, True)
+    assert plan.shape.ffn_vote and not plan.shape.dense_ffn and launched == plan.launches()
+    assert {plan.layers[0]["gate_up"].kind, plan.layers[0]["down"].kind} == {"gemv_fused", "gemm_k"}
+    assert torch.allclose(out_masks, want, atol=1e-4, rtol=1e-4)
+    for a, b in zip(got["ffn"], want_masks["ffn"]):
+        assert torch.equal(a.float(), b.float())
+    assert "the vote rule" in plan.text()
