@@ -39,7 +39,7 @@ from serve import Request, Server
 from wide import routers_off, routers_on
 
 CONTEXT = 131072  # Llama-3.1-8B's context (its rope_scaling stretches the preset's 8192 by 8): the longest slot
-QUALITY = os.path.join("results", "quality_serving.json")  # perplexity per profile, written by someone else
+QUALITY = os.path.join("results", "quality_serving.json")  # perplexity per profile: python eval.py --serving-only
 DENSE = ("dense", None, None)  # (name, attention sparsity, FFN sparsity); dense: the routers removed
 
 
@@ -387,6 +387,21 @@ def workload(args):
                          if getattr(args, k) is not None})
 
 
+def redraw(path):
+    """--redraw: the tables and plot of a results file, from its own measurements and today's quality file."""
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+        prefix = path[:-len(".json")] if path.endswith(".json") else path
+        rec["quality"] = load_quality(QUALITY, [tuple(p) for p in rec["profiles"]])
+        save(prefix, rec, serving_markdown(rec))
+        plot_serving(rec, prefix + ".png")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        cli.fail(f"--redraw {path}: not a results file of this script ({type(e).__name__}: {e}); give its .json")
+    print(f"rewritten: {prefix}.md, {prefix}.png")
+    return rec
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = bench_common.parser(__doc__, "serving_h200_<workload>")
@@ -412,7 +427,11 @@ def main(argv=None):
     # >= Policy.sparse_prefill_min_tokens: WIDE's sparse prefill kernels run (H200, 512: 0.66-0.97x dense)
     p.add_argument("--chunk", type=cli.integer(1), default=2048, help="prefill chunk in tokens (a long prompt "
                    "does not stall the running decodes for longer than one chunk)")
+    p.add_argument("--redraw", metavar="JSON", default=None, help="measure nothing: rewrite the .md and .png of an "
+                   "earlier run from its .json (e.g. after python eval.py --serving-only wrote new perplexities)")
     args = p.parse_args(argv)  # every flag checked here, before the device check: the same error on any machine
+    if args.redraw:
+        return redraw(args.redraw)
     w = workload(args)
     if w.prompt[1] + w.output[1] + 1 > CONTEXT:
         p.error(f"--prompt/--output: a slot of {w.prompt[1]} + {w.output[1]} + 1 positions exceeds the model's "

@@ -205,3 +205,19 @@ def test_smoke_run_serves_through_the_slots_asked_for_and_records_them(tmp_path)
     assert saved["slots"] == 1 and saved["slot_len"] == 16 + 2 + 1 and saved["workload_name"] == "mixed"
     assert "1 slots of 19 positions" in open(tmp_path / "serving.md").read()
     assert (tmp_path / "serving.png").stat().st_size > 1000
+
+
+def test_redraw_rewrites_the_tables_from_the_json_with_todays_quality_file(tmp_path, monkeypatch):
+    rec = record([INF])
+    path = tmp_path / "serving.json"
+    path.write_text(json.dumps(rec))
+    quality = tmp_path / "quality_serving.json"
+    quality.write_text(json.dumps([{"profile": "50/50", "attn": 0.5, "ffn": 0.5, "ffn_rule": "per token",
+                                    "ppl_vs_dense": 1.155}]))
+    monkeypatch.setattr(bench_serve, "QUALITY", str(quality))
+    bench_serve.main(["--redraw", str(path)])
+    md = (tmp_path / "serving.md").read_text()
+    assert "1.155 (per token)" in md and (tmp_path / "serving.png").exists()
+    assert json.loads(path.read_text())["rows"] == rec["rows"]  # the measurements themselves untouched
+    with pytest.raises(SystemExit):
+        bench_serve.main(["--redraw", str(tmp_path / "absent.json")])
