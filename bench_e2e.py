@@ -15,7 +15,8 @@ What each part measures:
            (generate.CUDAGraphDecoder) with greedy argmax, at the default rows (batch, context) =
            (1, 1k), (1, 8k), (8, 1k), (32, 8k). Dense: the faster of the two dense decode attentions
            (Policy.dense_decode_attention). WIDE: the default Policy, and with more tokens than
-           Policy.sparse_decode_max_tokens also every pruned linear through its kernel ("all sparse").
+           Policy.sparse_decode_max_tokens also Q and O through their kernels ("all sparse"; the FFN follows the
+           batch rule, model.ffn_router_max_decode_rows).
            Each row carries dense_GBps = (weights + KV cache a step must read) / dense step time, its
            share of the 4220 GB/s copy ceiling, and the byte limit of the speedup at the masks the
            routers chose (the bytes dense reads / the bytes WIDE must read).
@@ -380,7 +381,7 @@ def markdown(m):
         out.append(f"| {r['phase']} | {r['batch']} | {r['context']} | {r['dense_tok_s']:.1f} | {r['wide_tok_s']:.1f} | "
                    f"{r['speedup']:.2f}x | {limit} | {rate} | {skip} | {union} |")
     out += ["", "Variants (ms per step): dense by decode attention; WIDE by policy ('default' = engine.Policy(); "
-            "'all sparse' = every pruned linear through its kernel at this batch):", ""]
+            "'all sparse' = Q and O through their kernels at this batch, the FFN as the batch rule says):", ""]
     for r in rows:
         if "dense_ms_by_attention" in r:
             out.append(f"- batch {r['batch']}, context {r['context']}: dense "

@@ -9,7 +9,7 @@ Every GPU kernel of one replay is assigned to the op of the engine's plan (polic
 Triton kernels by name, a cuBLAS GEMM to the next op the plan sends to cuBLAS, and the small torch kernels
 (casts, element-wise ops) to the op running when they start. Per op, summed over the layers:
   us      the op's kernel time in one step
-  gap us  the idle time between the previous kernel's end and this op's first kernel's start (launch gaps)
+  gap us  the idle time before each of the op's kernels, from the previous kernel's end (launch gaps)
   MB      the bytes the op must read at the masks the routers chose (weights at the batch's union of live
           groups where the kernel skips, the KV cache at each row's live KV heads), from the plan's op kinds
   GB/s    MB / us: against the 4220 GB/s copy ceiling
@@ -28,8 +28,9 @@ GEMM_NAMES = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas")
 
 
 def is_gemm(name):
+    # this project's Triton kernels are named _..._kernel; a library GEMM (or SDPA's fused attention) is not
     n = name.lower()
-    return any(g in n for g in GEMM_NAMES) and "splitkreduce" not in n and "triton" not in n
+    return not name.startswith("_") and any(g in n for g in GEMM_NAMES) and "splitkreduce" not in n
 
 
 def op_sequence(plan):
@@ -43,8 +44,10 @@ def op_sequence(plan):
 
 def assign_ops(kernels, plan):
     """kernels: [(name, start_us, end_us)] of one step in launch order -> [(op label, name, us, gap_us)].
-    Walks the plan's ops in order: a Triton kernel goes to the next op still due to launch it, a GEMM to
-    the next op on cuBLAS that has had none yet, anything else to the op of the kernel before it."""
+    Walks the plan's ops in order: a Triton kernel goes to the next op still due to launch it; a library
+    GEMM to the next op off Triton (cuBLAS, SDPA, torch) that has had none yet, but never past an op with
+    Triton launches still due (so a GEMM that comes as two kernels stays with its op); anything else to
+    the op of the kernel before it."""
     seq = op_sequence(plan)
     due = [list(op.kernels) for _, op in seq]  # the Triton launches each op has still to make
     gemmed = set()
@@ -55,7 +58,12 @@ def assign_ops(kernels, plan):
             at = hit
             due[at].remove(next(k for k in due[at] if k in name))
         elif is_gemm(name):
-            at = next((i for i in range(at, len(seq)) if "cuBLAS" in seq[i][1].runs and i not in gemmed), at)
+            for i in range(at, len(seq)):
+                if i > at and due[i]:
+                    break
+                if seq[i][1].runs != "Triton" and i not in gemmed:
+                    at = i
+                    break
             gemmed.add(at)
         out.append((seq[at][0], name, t1 - t0, 0.0 if prev_end is None else max(0.0, t0 - prev_end)))
         prev_end = t1

@@ -156,9 +156,11 @@ class Engine:
         """The plan of a step of `tokens` tokens (B * T) with the model's routers as they are now."""
         dtype = self.model.embed_tokens.weight.dtype
         shape = Shape(tokens, decode, start, {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16"),
-                      self.weights == "fp8", dense_ffn=decode and not self.model.routes_ffn(tokens, 1, True),
-                      ffn_vote=decode and self.model.ffn_vote_k(tokens, 1, True) is not None)
+                      self.weights == "fp8")
         routers = tuple((router_kind(l.attn_router), router_kind(l.ffn_router)) for l in self.model.layers)
+        if decode and any(f is not None for _, f in routers):  # the model's rules for FFN width, if it routes it
+            shape = shape._replace(dense_ffn=not self.model.routes_ffn(tokens, 1, True),
+                                   ffn_vote=self.model.ffn_vote_k(tokens, 1, True) is not None)
         if (shape, routers) not in self.plans:
             self.plans[shape, routers] = self.policy.plan(shape, routers)
         return self.plans[shape, routers]

@@ -81,3 +81,15 @@ def test_bytes_follow_the_op_kinds_and_the_masks(batch, union, row):
 def test_the_profile_lands_beside_the_e2e_results():
     assert bp.profile_out("results/e2e_h200") == "results/decode_profile_h200"
     assert bp.profile_out("/tmp/x/run") == "/tmp/x/run_decode_profile"
+
+
+def test_a_gemm_that_comes_as_two_kernels_stays_with_its_op_and_nothing_shifts():
+    # cuBLAS may run one GEMM as two kernels (e.g. a split-K pass with a GEMM-like name): the second must
+    # not take the next cuBLAS op, or every later kernel would land one op (and one layer) late.
+    plan = policy.Policy().plan(policy.Shape(32, True, dense_ffn=True), WIDE)
+    layer = ["_norm_route_kernel", "sm90_xmma_gemm_a", "sm90_xmma_gemm_b", "_rope_kernel", "_attn_decode_kernel",
+             "nvjet_o", "_rms_norm_kernel", "nvjet_gate_up", "elementwise_mul", "nvjet_down", "elementwise_add"]
+    got = bp.assign_ops(step(["indexSelect"] + layer * 2 + ["_rms_norm_kernel", "nvjet_head"]), plan)
+    want = ["embedding"] + ["attn_norm", "qkv", "qkv", "rope", "attention", "o", "ffn_norm", "gate_up", "gate_up",
+                            "down", "down"] * 2 + ["step_norm", "step_head"]
+    assert [g[0] for g in got] == want

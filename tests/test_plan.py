@@ -185,6 +185,8 @@ def test_the_printed_plan_names_every_op_where_it_runs():
         assert name in prefill and name in decode
     assert "cuBLAS         one cuBLAS GEMM on the masked input" in prefill  # O and down at 74 tokens
     assert "gemv_mn's live-group list" in decode and "only the KV heads whose head group runs" in decode
+    dense8 = engine.Engine(wide_model(routers=False)).plan(8, True)  # no FFN router: no rule to print
+    assert not dense8.shape.dense_ffn and "batch rule" not in dense8.text()
     fp8 = engine.Engine(wide_model(routers=False), weights="fp8").plan(1, True).text()
     assert "fp8 weights for the prunable linears" in fp8 and "[fp8]" in fp8 and "lm_head" in fp8
 
