@@ -262,6 +262,9 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
 
 def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, tickets=None):
     """q[B,H,1,d], k/v cache [B,Hkv,L,d], head_mask [B,G], kv_len [B] -> [B,H,1,d].
+    kv_len[b] must lie in [1, L] (a decode step's row holds at least its own key; the engine's always do):
+    the kernel does not clamp it (a length past L would read past the cache, 0 would leave the row's live
+    heads unwritten), since checking it on the host would cost a sync per step.
     tickets: int32 zeros, at least B * Hkv, for the in-launch merge (the kernel leaves them zero, so a
     caller, e.g. the engine's CUDA-graphed step, can keep one buffer); None allocates them."""
     check_device(q)
