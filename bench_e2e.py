@@ -48,6 +48,7 @@ import bench_profile
 import checkpoints
 import cli
 import engine
+import kernels_base
 from bench_common import (COPY_GBS, SMOKE, ModelRun, calibrate_routers, clock_ms, fill_cache, mask_summary, meta, random_model,
                           save, with_engine)
 from generate import CUDAGraphDecoder, generate
@@ -197,17 +198,30 @@ def prefill_row(run, m, T):
 def decode_row(run, m, batch, context, log):
     steps = run.steps if batch * context <= 64 * 1024 else max(1, run.steps // 2)
     dense, wide_ms, masks = {}, {}, None
-    for attn in ("triton", "sdpa"):
-        pol = engine.Policy(dense_decode_attention=attn)
-        dense[attn] = with_engine(m, False, pol, lambda e: time_decode(run, e, batch, context, steps)[0])
-        log(f"  dense ({attn} attention): {dense[attn]:.3f} ms")
+    # The dense side at its best: each decode attention, the unrouted linears through cuBLAS or through WIDE's
+    # kernels with every group live (steps of <= Policy.dense_gemv_max_tokens tokens), and launches with and
+    # without programmatic dependent launch (kernels_base.pdl); the fastest is the row's dense time.
+    small = batch <= engine.Policy().sparse_decode_max_tokens
+    dense_policies = {"triton": engine.Policy(), "sdpa": engine.Policy(dense_decode_attention="sdpa")}
+    if batch <= engine.Policy().dense_gemv_max_tokens:
+        dense_policies["cublas linears"] = engine.Policy(dense_gemv_max_tokens=0)
+    for name, pol in dense_policies.items():
+        dense[name] = with_engine(m, False, pol, lambda e: time_decode(run, e, batch, context, steps)[0])
+        log(f"  dense ({name}): {dense[name]:.3f} ms")
+    best = dense_policies[min(dense, key=dense.get)]
+    with kernels_base.pdl_off():
+        dense["PDL off"] = with_engine(m, False, best, lambda e: time_decode(run, e, batch, context, steps)[0])
+    log(f"  dense (its best without PDL): {dense['PDL off']:.3f} ms")
     policies = {"default": engine.Policy()}
-    if batch > engine.Policy().sparse_decode_max_tokens:
+    if not small:
         policies["all sparse"] = engine.Policy(sparse_decode_max_tokens=64)
     for name, pol in policies.items():
         wide_ms[name], got = with_engine(m, True, pol, lambda e: time_decode(run, e, batch, context, steps))
         masks = masks or got
         log(f"  WIDE ({name}): {wide_ms[name]:.3f} ms, masks {got}")
+    with kernels_base.pdl_off():
+        wide_ms["PDL off"] = with_engine(m, True, engine.Policy(), lambda e: time_decode(run, e, batch, context, steps)[0])
+    log(f"  WIDE (default, without PDL): {wide_ms['PDL off']:.3f} ms")
     # The vote rule (model.ffn_vote, off by default: it changes what a token computes), timed on the side:
     # an FFN group runs for the whole batch iff >= k rows want it. Never the row's headline WIDE time.
     votes = {}
@@ -226,7 +240,7 @@ def decode_row(run, m, batch, context, log):
                 dense_tok_s=batch / d_ms * 1e3, wide_tok_s=batch / w_ms * 1e3, speedup=d_ms / w_ms,
                 dense_GBps=nbytes / d_ms / 1e6, dense_copy_frac=nbytes / d_ms / 1e6 / COPY_GBS,
                 byte_limit_speedup=nbytes / wide_bytes(m, batch, context, masks), bytes_per_step=nbytes,
-                dense_attention=d_attn, dense_ms_by_attention=dense, wide_policy=w_pol,
+                dense_policy=d_attn, dense_ms_by_policy=dense, wide_policy=w_pol,
                 wide_ms_by_policy=wide_ms, masks=masks, steps=steps, ffn_vote=votes)
 
 
@@ -380,12 +394,15 @@ def markdown(m):
         limit = f"{r['byte_limit_speedup']:.2f}x" if "byte_limit_speedup" in r else ""
         out.append(f"| {r['phase']} | {r['batch']} | {r['context']} | {r['dense_tok_s']:.1f} | {r['wide_tok_s']:.1f} | "
                    f"{r['speedup']:.2f}x | {limit} | {rate} | {skip} | {union} |")
-    out += ["", "Variants (ms per step): dense by decode attention; WIDE by policy ('default' = engine.Policy(); "
-            "'all sparse' = Q and O through their kernels at this batch, the FFN as the batch rule says):", ""]
+    out += ["", "Variants (ms per step): dense by policy ('triton' / 'sdpa' = the decode attention, 'cublas linears' = "
+            "the linears through cuBLAS instead of WIDE's kernels with every group live, 'PDL off' = the best of those launched "
+            "without programmatic dependent launch); WIDE by policy ('default' = engine.Policy(); 'all sparse' = Q and "
+            "O through their kernels at this batch, the FFN as the batch rule says; 'PDL off' = default without it):",
+            ""]
     for r in rows:
-        if "dense_ms_by_attention" in r:
+        if "dense_ms_by_policy" in r:
             out.append(f"- batch {r['batch']}, context {r['context']}: dense "
-                       + ", ".join(f"{k} {v:.3f}" for k, v in r["dense_ms_by_attention"].items())
+                       + ", ".join(f"{k} {v:.3f}" for k, v in r["dense_ms_by_policy"].items())
                        + "; WIDE " + ", ".join(f"{k} {v:.3f}" for k, v in r["wide_ms_by_policy"].items())
                        + "".join(f"; vote rule k={k}: {v['ms']:.3f} ({v['speedup']:.2f}x dense, FFN groups live "
                                  f"{v['ffn_union_live']:.0%})" for k, v in r.get("ffn_vote", {}).items()))

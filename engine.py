@@ -145,6 +145,7 @@ class Engine:
         self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
         self.tickets = torch.zeros(4096, dtype=torch.int32, device=device)
         self.plans = {}  # (Shape, routers) -> Plan: a step's plan is computed once per shape
+        self.constant_masks = {}  # (M, G) -> an all-True mask, for the dense model's ops through WIDE's kernels
 
     def setup_caches(self, *args, **kwargs):
         return self.model.setup_caches(*args, **kwargs)
@@ -366,11 +367,18 @@ class Engine:
 
     def no_groups(self, M):
         # gemm_mn's mask when every row is its dense tail (the dense model): [M, 0]
-        return torch.ones(M, 0, dtype=torch.bool, device=self.ticket.device)
+        return self.constant_mask(M, 0)
 
     def all_groups(self, M, G):
         # gemm_k's mask when every group is live (the dense model): [M, G] all True
-        return torch.ones(M, G, dtype=torch.bool, device=self.ticket.device)
+        return self.constant_mask(M, G)
+
+    def constant_mask(self, M, G):
+        # Made once per shape: a fill kernel per call would sit between the step's Triton launches (and in
+        # its CUDA graph), where it costs a launch and breaks their overlap (kernels_base.pdl).
+        if (M, G) not in self.constant_masks:
+            self.constant_masks[M, G] = torch.ones(M, G, dtype=torch.bool, device=self.ticket.device)
+        return self.constant_masks[M, G]
 
 
 def dense_group(n):

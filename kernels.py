@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels_base import (CONFIGS, INTERPRET, LONG_K, SMALL_M, check_device, config_for, empty, launch_args,  # noqa: F401
-                          num_sms, pow2_divisor)
+                          num_sms, pdl_args, pow2_divisor, prior_done)
 from kernels_layout import Layout, as_layout, flat_mask, layout, layout_ref  # noqa: F401
 
 
@@ -130,6 +130,15 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, 
 
 
 @triton.jit
+def _codes_f32(w, FP8: tl.constexpr):
+    # Weights as fp32. e4m3 codes go through f16: exact (every e4m3 value is an f16 value), and one hardware
+    # conversion per two codes, where a direct e4m3 -> fp32 (or -> bf16) conversion takes several instructions.
+    if FP8:
+        return w.to(tl.float16).to(tl.float32)
+    return w.to(tl.float32)
+
+
+@triton.jit
 def _gemv_step(x, w, w_up, lst, step, end, t, M, K, KS, sxm, swn, GS: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr):
     # Loads of one step: chunk step // KS (BN rows of one live group), K slice step % KS.
@@ -150,7 +159,8 @@ def _gemv_step(x, w, w_up, lst, step, end, t, M, K, KS, sxm, swn, GS: tl.constex
 @triton.jit
 def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, sxm, swn, som,
                     GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr):
+                    BK: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+                    PDL: tl.constexpr):
     """Decode gemm_mn (M <= BT tokens): the weight rows of groups no token runs are never read.
 
     Grid (P,), persistent. Each program reads the mask itself (no layout, one launch), lists the
@@ -161,8 +171,10 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
     outputs and the channels of dead groups are written as zeros. GE groups after the G routed
     ones are always live (the dense tail: K and V after Q, one stream). FP8: w (and w_up) hold e4m3
     codes, half the bytes per step; the fp32 sums are multiplied by each row's scale (ws, wus) in the
-    epilogue, before the SwiGLU. Twin: gemm_mn_ref.
+    epilogue, before the SwiGLU. PDL: see kernels_base.prior_done (the mask is the previous kernel's).
+    Twin: gemm_mn_ref.
     """
+    prior_done(PDL)
     pid, P = tl.program_id(0), tl.num_programs(0)
     t = tl.arange(0, BT)
     gg = tl.arange(0, GP)
@@ -193,9 +205,9 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
         a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_step(x, w, w_up, lst, step + 1, end, t, M, K, KS,
                                                    sxm, swn, GS, BN, BK, FUSED)
         if BT == 1:
-            acc += tl.sum(b.to(tl.float32) * a.to(tl.float32), 1)
+            acc += tl.sum(_codes_f32(b, FP8) * a.to(tl.float32), 1)
             if FUSED:
-                acc_up += tl.sum(bu.to(tl.float32) * a.to(tl.float32), 1)
+                acc_up += tl.sum(_codes_f32(bu, FP8) * a.to(tl.float32), 1)
         else:
             acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc, input_precision="ieee" if IEEE else "tf32")
             if FUSED:
@@ -264,7 +276,7 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
         _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, m, empty((P, GP), torch.int32, x.device), M, N, K,
                               G, GE, x.stride(0), w.stride(0), out.stride(0), GS=group_size, GP=GP,
                               BT=1 if M == 1 else SMALL_M, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8,
-                              IEEE=ieee, **launch_args(cfg))
+                              IEEE=ieee, **launch_args(cfg), **pdl_args(x.device))
         return out
     lay = as_layout(mask_or_layout)
     cfg = config_for("gemm_mn_fused" if fused else "gemm_mn", config)
@@ -292,7 +304,7 @@ def gemm_k_ref(a, w, mask, group_size, residual=None, w_scale=None):
 
 @triton.jit
 def _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
-                 GS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                 GS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
     # One BK slice of group g: a-rows of tokens that do not run g are predicated off
     # (intra-block skip; those slots are never read, so garbage there is harmless).
     # BM == 1 (one token, config FMA): fp32 multiply-adds instead of a 16-row tensor-core tile, which
@@ -303,7 +315,11 @@ def _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
     at = tl.load(a + rows[:, None].to(tl.int64) * sam + k0 + kk[None, :], mask=on[:, None], other=0.0)
     wt = tl.load(w + cols[:, None].to(tl.int64) * swn + k0 + kk[None, :], mask=cok[:, None], other=0.0)
     if BM == 1:
-        acc += tl.sum(wt.to(tl.float32) * at.to(tl.float32), 1)[None, :]
+        acc += tl.sum(_codes_f32(wt, F16 > 0) * at.to(tl.float32), 1)[None, :]
+    elif F16 == 2:  # fp8 codes and activations as f16 (exact for bf16 values within f16's range, |a| < 65504)
+        acc = tl.dot(at.to(tl.float16), tl.trans(wt.to(tl.float16)), acc)
+    elif F16 == 1:  # fp8 codes -> f16 (exact, and one conversion per two codes) -> the activations' dtype (exact)
+        acc = tl.dot(at, tl.trans(wt.to(tl.float16).to(at.dtype)), acc, input_precision="ieee" if IEEE else "tf32")
     else:
         acc = tl.dot(at, tl.trans(wt.to(at.dtype)), acc, input_precision="ieee" if IEEE else "tf32")
     return acc
@@ -313,7 +329,7 @@ def _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
 def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, G, sam, swn, som,
                    GS: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, HAS_RES: tl.constexpr,
-                   FP8: tl.constexpr, IEEE: tl.constexpr):
+                   FP8: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr):
     """out[t, n] = sum over the groups g that token t runs of a[t, g-slice] . w[n, g-slice].
 
     Grid (cdiv(M,BM) * cdiv(N,BN),), L2-grouped. Tokens stay in their original order, so the
@@ -327,8 +343,9 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, 
     sums the partials in a fixed order (still deterministic) and writes the result. HAS_RES: the
     epilogue adds a residual, rounded as `res + (a @ w.T)` is. FP8: w holds e4m3 codes (the skipped
     groups' bytes are still never read); the fp32 sum is multiplied by output channel n's scale ws[n]
-    before the residual add. Twin: gemm_k_ref.
+    before the residual add. PDL: see kernels_base.prior_done. Twin: gemm_k_ref.
     """
+    prior_done(PDL)
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     first = pid // (GROUP_M * n_n) * GROUP_M
@@ -352,7 +369,7 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, 
         per = tl.cdiv(G, SPLIT)
         for it in range(split * per * STEPS, tl.minimum(split * per + per, G) * STEPS):
             acc = _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G,
-                               sam, swn, GS, BM, BK, IEEE)
+                               sam, swn, GS, BM, BK, IEEE, F16)
     else:
         # Compact the live groups once into this program's scratch row; dead groups are never
         # visited (block skip), so their weight columns are never read.
@@ -362,7 +379,7 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, 
         per = tl.cdiv(n_live, SPLIT)
         for it in range(split * per * STEPS, tl.minimum(split * per + per, n_live) * STEPS):
             acc = _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
-                               it % STEPS, G, sam, swn, GS, BM, BK, IEEE)
+                               it % STEPS, G, sam, swn, GS, BM, BK, IEEE, F16)
     ok = rok[:, None] & cok[None, :]
     offs = rows[:, None] * som + cols[None, :]
     if SPLIT > 1:
@@ -472,5 +489,7 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     _gemm_k_kernel[grid](a, w, ws, out, residual if residual is not None else out, part, tickets, m, live_list,
                          M, N, K, G, a.stride(0), w.stride(0), N, GS=group_size, GP=GP, BM=BM,
                          BN=cfg["BN"], BK=pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, SPLIT=split,
-                         HAS_RES=residual is not None, FP8=w_scale is not None, IEEE=ieee, **launch_args(cfg))
+                         HAS_RES=residual is not None, FP8=w_scale is not None, IEEE=ieee,
+                         F16=0 if w_scale is None else min(cfg.get("F16", 1), 1 if ieee else 2), **launch_args(cfg),
+                         **pdl_args(a.device))
     return out

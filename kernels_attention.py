@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels_base import check_device, config_for, empty, launch_args, num_sms
+from kernels_base import check_device, config_for, empty, launch_args, num_sms, pdl_args, prior_done
 from kernels_layout import Layout, as_layout
 
 
@@ -171,7 +171,7 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
                         sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
                         HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, H2: tl.constexpr,
                         BJ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr,
-                        D: tl.constexpr, IEEE: tl.constexpr):
+                        D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """Split-KV decode attention (one query token per row) over a work list of live items only.
 
     The work is a list of items (row b, KV head, chunk of that row's cached keys), built in every
@@ -184,8 +184,10 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     The merge is in the same launch: a pair cut into several chunks stores each chunk's normalised partial
     and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (in chunk order,
     so the result does not depend on which finished last) and resets the ticket. At most MC chunks per pair
-    (longer chunks instead), so that merge stays short. Twin: attention_decode_ref.
+    (longer chunks instead), so that merge stays short. PDL: see kernels_base.prior_done.
+    Twin: attention_decode_ref.
     """
+    prior_done(PDL)
     pid = tl.program_id(0)
     dd = tl.arange(0, D)
     if pid >= NP:  # row b's heads whose group does not run get exact zeros (O's cuBLAS GEMM reads them)
@@ -293,5 +295,5 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, ticket
         (1.0 / math.sqrt(D)) * 1.4426950408889634, HKV=Hkv, HPK=hpk, HPG=H // G,
         H2=triton.next_power_of_2(H), BJ=max(2, triton.next_power_of_2(B * Hkv)),
         BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"], D=D,
-        IEEE=q.dtype == torch.float32, **launch_args(cfg))
+        IEEE=q.dtype == torch.float32, **launch_args(cfg), **pdl_args(q.device))
     return o

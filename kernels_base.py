@@ -3,9 +3,13 @@ What every kernel file shares: the interpreter switch, the token counts that pic
 block sizes, and the small host-side helpers the launches use (output buffers, the device check, the
 programs-per-SM count). The kernel files import from here and from nowhere above them.
 """
+import contextlib
+import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SMALL_M = 16  # at most this many tokens: the decode (GEMV) paths, no layout needed
@@ -94,3 +98,61 @@ def pow2_divisor(n, cap):
 
 def launch_args(cfg):
     return {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
+
+
+# Programmatic dependent launch (PDL: Hopper and newer, Triton's launch_pdl). A decode step is ~260 short
+# launches; launched this way, a kernel's programs may start while the kernel before it on the stream still
+# drains, so its launch and start-up overlap that kernel's tail instead of following it. The price is one
+# rule, kept by every kernel that takes PDL: nothing that the previous kernel writes is read, and nothing
+# at all is written, before `prior_done` (gdc_wait: the previous kernel has finished and its writes are
+# visible). Every such kernel calls it on every path, and only then lets the next kernel start
+# (gdc_launch_dependents), so a kernel that starts early always finds the one before its predecessor
+# finished. CUDA graphs keep the overlap (programmatic edges). WIDE_PDL=0 turns it off.
+PDL_MODES = {"0": 0, "exit": 1, "early": 2}
+
+
+def pdl(device):
+    """How kernels on `device` launch (CUDA, compute capability >= 9; else 0): WIDE_PDL = "0" (stream order),
+    "exit" (the next kernel may launch once every program has exited, before its writes are flushed) or
+    "early" (once every program has passed its wait)."""
+    mode = os.environ.get("WIDE_PDL", "exit")
+    if mode not in PDL_MODES:
+        raise ValueError(f"WIDE_PDL={mode!r}: use one of {', '.join(PDL_MODES)}")
+    if INTERPRET or device.type != "cuda" or not PDL_MODES[mode]:
+        return 0
+    return PDL_MODES[mode] if _sm90(device.index if device.index is not None else torch.cuda.current_device()) else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(index):
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_args(device):
+    """The launch keywords of a kernel that takes PDL: its PDL constexpr and Triton's launch_pdl."""
+    mode = pdl(device)
+    return dict(PDL=mode, launch_pdl=mode > 0)
+
+
+@contextlib.contextmanager
+def pdl_off():
+    """Launches inside run without PDL (the benchmarks' comparison); graphs captured inside keep that."""
+    old = os.environ.get("WIDE_PDL")
+    os.environ["WIDE_PDL"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["WIDE_PDL"]
+        else:
+            os.environ["WIDE_PDL"] = old
+
+
+@triton.jit
+def prior_done(PDL: tl.constexpr):
+    """PDL: wait until the previous kernel on the stream has finished (its writes visible), then let the
+    next kernel launch. Without PDL (and under the interpreter) nothing: stream order already did it."""
+    if PDL > 0:
+        tl.extra.cuda.gdc_wait()
+    if PDL > 1:
+        tl.extra.cuda.gdc_launch_dependents()

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_base import INTERPRET, check_device, empty
+from kernels_base import INTERPRET, check_device, empty, pdl_args, prior_done
 from model import apply_rope
 
 # norm_route: with at most this many tokens the router's second Linear runs in the same launch
@@ -38,14 +38,15 @@ def rms_norm(x, norm, residual=None):
     res = residual.reshape(-1, D).contiguous() if residual is not None else x2
     BD = triton.next_power_of_2(D)
     _rms_norm_kernel[(x2.shape[0],)](x2, res, h, y, norm.weight, D, norm.eps, HAS_RES=residual is not None,
-                                     BD=BD, num_warps=8 if BD >= 2048 else 4)
+                                     BD=BD, num_warps=8 if BD >= 2048 else 4, **pdl_args(x.device))
     return y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
 
 
 @triton.jit
-def _rms_norm_kernel(x, res, h_out, y, w, D, eps, HAS_RES: tl.constexpr, BD: tl.constexpr):
+def _rms_norm_kernel(x, res, h_out, y, w, D, eps, HAS_RES: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
     """One row per program: y = RMSNorm(x); with HAS_RES first h = res + x, rounded to the model
     dtype as `x + a` is, and stored. Grid (rows,). Skips nothing. Twin: rms_norm_ref."""
+    prior_done(PDL)
     row = tl.program_id(0).to(tl.int64) * D
     d = tl.arange(0, BD)
     ok = d < D
@@ -84,7 +85,8 @@ def rope_and_store(q, k, v, step, k_dst, v_dst, H, Hkv, d):
     T = M // k_dst.shape[0]
     _rope_kernel[(M,)](q, k, v, step.cos, step.sin, step.slot, q_out, k_dst, v_dst, T, H, Hkv, q.stride(0),
                        k.stride(0), k_dst.stride(0), k_dst.stride(1), k_dst.stride(2),
-                       HP=triton.next_power_of_2(H), HKP=triton.next_power_of_2(Hkv), HALF=d // 2, num_warps=4)
+                       HP=triton.next_power_of_2(H), HKP=triton.next_power_of_2(Hkv), HALF=d // 2, num_warps=4,
+                       **pdl_args(q.device))
     return q_out
 
 
@@ -100,11 +102,12 @@ def _rotate(src, dst, ok, c1, c2, s1, s2, HALF: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(q, k, v, cos, sin, slot, q_out, k_dst, v_dst, T, H, HKV, sq, sk, sdb, sdh, sdt,
-                 HP: tl.constexpr, HKP: tl.constexpr, HALF: tl.constexpr):
+                 HP: tl.constexpr, HKP: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
     """RoPE for every head of one token. Grid (B*T,): the query heads go to q_out; the key heads, and
     the value heads as they are, straight into the KV cache at the token's slot (K/V are never pruned:
     the cache stays dense). Skips nothing. Twin: rope_and_store_ref."""
     # sq: row stride of q (its heads contiguous); q_out is [M, H * 2 * HALF]; sk: row stride of k and v.
+    prior_done(PDL)
     m = tl.program_id(0)
     i = tl.arange(0, HALF)[None, :]
     c1, c2 = tl.load(cos + m * 2 * HALF + i), tl.load(cos + m * 2 * HALF + HALF + i)
@@ -166,11 +169,12 @@ def norm_route(x, norm, router, residual=None, ticket=None, ranks_per_program=No
         x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, z, up.weight, up.bias, keep, keepf, ticket,
         M, D, R, G, CW, HAS_RES=residual is not None, UP=up_here, BT=BT, RB=RB,
         BK=min(triton.next_power_of_2(D), max(16, 8192 // BT)), RP=RP, BG=BG, CWP=triton.next_power_of_2(CW),
-        num_warps=8)  # wide chunks: the loop over D is latency-bound, so few long iterations
+        num_warps=8, **pdl_args(x.device))  # wide chunks: the loop over D is latency-bound, so few long iterations
     if not up_here:
         TB, BGU = (BT, BG) if INTERPRET else (1, min(64, BG))
         _router_up_kernel[(triton.cdiv(M, TB), triton.cdiv(G, BGU))](z, up.weight, up.bias, keep, keepf, M, G, R,
-                                                                     TB=TB, RP=RP, BG=BGU, num_warps=4)
+                                                                     TB=TB, RP=RP, BG=BGU, num_warps=4,
+                                                                     **pdl_args(x.device))
     normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
     return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G)
 
@@ -178,7 +182,7 @@ def norm_route(x, norm, router, residual=None, ticket=None, ranks_per_program=No
 @triton.jit
 def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, ticket, M, D, R, G,
                        CW, HAS_RES: tl.constexpr, UP: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
-                       BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr, CWP: tl.constexpr):
+                       BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr, CWP: tl.constexpr, PDL: tl.constexpr):
     """Residual add + RMSNorm + router for the M <= BT tokens of a step. Grid (cdiv(R, RB),).
 
     Every program forms h = res + x (rounded to the model dtype as `x + a` is) and the router's first
@@ -188,6 +192,7 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
     rule of wide.Router: skip iff z_skip > z_exec, a tie executes; it resets the ticket. Deterministic:
     each z is one program's fixed-order sum, and one program does the rest. UP=False leaves the
     second Linear to _router_up_kernel (many tokens). Skips nothing. Twin: norm_route_ref."""
+    prior_done(PDL)
     pid = tl.program_id(0)
     t = tl.arange(0, BT)
     tok = t < M
@@ -241,10 +246,12 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
 
 
 @triton.jit
-def _router_up_kernel(z, wu, bu, keep, keepf, M, G, R, TB: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr):
+def _router_up_kernel(z, wu, bu, keep, keepf, M, G, R, TB: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr,
+                      PDL: tl.constexpr):
     """The router's second Linear and rule for many tokens at once (norm_route with UP=False): the
     (execute, skip) logit pair of each group, skip iff z_skip > z_exec (a tie executes).
     Grid (cdiv(M, TB), cdiv(G, BG)). Twin: norm_route_ref."""
+    prior_done(PDL)
     t = (tl.program_id(0) * TB + tl.arange(0, TB))[:, None, None]
     g = (tl.program_id(1) * BG + tl.arange(0, BG))[None, :, None]
     r = tl.arange(0, RP)[None, None, :]

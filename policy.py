@@ -94,6 +94,10 @@ class Policy:
     # (with the model's causal-mask rows, which rules out flash). H200, 2048 queries after 6144 keys: 516 vs 834 us.
     dense_chunk_attention: str = "triton"
     router_max_tokens: int = 64            # longer steps run the router module itself (two fp32 GEMMs)
+    # Steps of at most this many tokens run their unrouted linears (the dense model's, say) through WIDE's GEMV and
+    # gemm_k with every group live, as fp8 weights always do; 0 = cuBLAS. H200, dense decode batch 1 at 1k:
+    # 4.65 vs 4.78 ms per step (bench_e2e.py times both).
+    dense_gemv_max_tokens: int = 1
 
     def plan(self, shape, routers):
         """The whole step: routers is one (attn, ffn) pair per layer, each None (no router), "wide" (a
@@ -114,6 +118,8 @@ class Policy:
         M, decode = shape.tokens, shape.decode
         # fp8 codes are read by the decode kernels only; a prefill dequantizes them (then as bf16)
         read_fp8 = shape.fp8 and M <= SMALL_M
+        # an op without a router runs WIDE's kernel with every group live (fp8 codes, or the policy's choice)
+        all_live = read_fp8 or M <= self.dense_gemv_max_tokens
         w = "fp8" if read_fp8 else (f"fp8 -> {shape.dtype}" if shape.fp8 else shape.dtype)
         sparse_mn = M <= self.sparse_decode_max_tokens or M >= self.sparse_prefill_min_tokens
         sparse_k = M <= self.sparse_decode_max_tokens
@@ -125,7 +131,7 @@ class Policy:
         ops = {"attn_norm": self.norm_op(M, attn_router)}
         if attn_router is not None and (not decode or q_tiles):  # prefill attention and Q's tiles read it
             ops["attn_layout"] = Op("layout", "Triton", kernels=LAYOUT)
-        if read_fp8 and attn_router is None:
+        if all_live and attn_router is None:
             ops["qkv"] = Op("gemv_all", "Triton", w, ("gemv_mn_kernel",))
         elif attn_router is not None and (read_fp8 or (sparse_mn and M <= SMALL_M)):
             ops["qkv"] = Op("gemv", "Triton", w, ("gemv_mn_kernel",))
@@ -135,9 +141,9 @@ class Policy:
             ops["qkv"] = Op("cublas" if attn_router is None else "cublas_every_head", "cuBLAS", w)
         ops["rope"] = Op("rope", "Triton", kernels=("rope_kernel",))
         ops["attention"] = self.attention_op(shape, attn_router)
-        ops["o"] = reduction_op(attn_router, read_fp8, sparse_k, w)
+        ops["o"] = reduction_op(attn_router, all_live, sparse_k, w)
         ops["ffn_norm"] = self.norm_op(M, ffn_router)
-        if read_fp8:
+        if read_fp8 or (all_live and ffn_router is None):
             ops["gate_up"] = Op("gemv_fused" if ffn_router is not None else "gemv_fused_all", "Triton", w,
                                 ("gemv_mn_kernel",))
         elif ffn_router is not None and ffn_mn and M <= SMALL_M:
@@ -147,7 +153,7 @@ class Policy:
             ops["gate_up"] = Op("tiles_fused", "Triton", w, ("gemm_mn_kernel",))
         else:
             ops["gate_up"] = Op("cublas_masked" if ffn_router is not None else "cublas", "cuBLAS", w)
-        ops["down"] = reduction_op(ffn_router, read_fp8, ffn_k, w)
+        ops["down"] = reduction_op(ffn_router, read_fp8 or (all_live and ffn_router is None), ffn_k, w)
         return {name: ops[name] for name in LAYER_OPS if name in ops}
 
     def norm_op(self, M, router):
@@ -174,10 +180,10 @@ class Policy:
         return Op("sdpa_rows", "SDPA")
 
 
-def reduction_op(router, read_fp8, sparse_k, w):
-    """O or down: gemm_k over the live groups (fp8 codes: also the dense model, every group live), or
+def reduction_op(router, all_live, sparse_k, w):
+    """O or down: gemm_k over the live groups (all_live: also without a router, every group live), or
     cuBLAS on the masked input."""
-    if read_fp8 or (router is not None and sparse_k):
+    if all_live or (router is not None and sparse_k):
         return Op("gemm_k" if router is not None else "gemm_k_all", "Triton", w, ("gemm_k_kernel",))
     return Op("cublas" if router is None else "cublas_masked_input", "cuBLAS", w)
 

@@ -17,7 +17,7 @@ import torch
 import engine
 import wide
 from conftest import assert_close as _assert_close
-from generate import generate
+from generate import CUDAGraphDecoder, generate
 from model import ModelConfig, Transformer
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -299,3 +299,49 @@ def test_gpu_bf16_logits_within_1e_2_of_the_reference(policy):
         ref = steps(ref_model)
     err, torch_err = rel_err(got["triton"], ref), rel_err(got["torch"], ref)
     assert err <= 1e-2, f"bf16 Triton logits rel err {err:.2e} vs fp32 (bf16 torch backend: {torch_err:.2e})"
+
+
+@GPU
+@pytest.mark.parametrize("routers", [True, False], ids=["wide", "dense-triton-linears"])
+def test_gpu_pdl_changes_no_bit_of_a_graphed_decode(routers):
+    # Programmatic dependent launch (kernels_base.pdl) lets a kernel start while the previous one drains; a
+    # read that got ahead of its wait would change a result. Every kernel is deterministic, so the graphed
+    # decode must give the same logits bit for bit with PDL and without, on shapes big enough that the
+    # launches really overlap (hundreds of programs per kernel).
+    import kernels_base
+    if not kernels_base.pdl(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability >= 9")
+    torch.manual_seed(3)
+    cfg = ModelConfig(vocab_size=512, dim=1024, n_layers=4, n_heads=8, n_kv_heads=4, intermediate_size=4096,
+                      max_seq_len=600)
+    m = Transformer(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.05)
+    if routers:
+        wide.install_routers(m, wide.WideConfig(ffn_group_size=128))
+    m = m.cuda().eval()
+    for name, p in m.named_parameters():
+        if "router" not in name:
+            p.data = p.data.to(torch.bfloat16)
+    idx = torch.randint(0, 512, (1, 500), generator=torch.Generator().manual_seed(4)).cuda()
+    policy = engine.Policy()
+
+    def run():  # the prompt, then 40 graphed decode steps (greedy): every step's logits
+        e = engine.Engine(m, policy)
+        e.setup_caches(1, 560)
+        with torch.no_grad():
+            token = e(idx, input_pos=torch.arange(500, device="cuda"))[:, -1:].argmax(-1)
+            pos = torch.tensor([500], device="cuda")
+            step, out = CUDAGraphDecoder(e, token, pos), []
+            for _ in range(40):
+                out.append(step(token, pos).clone())
+                token, pos = out[-1].argmax(-1, keepdim=True), pos + 1
+        e.clear_caches()
+        return torch.stack(out)
+
+    with kernels_base.pdl_off():
+        off = run()
+    on = run()
+    assert torch.equal(on, off), f"PDL changed the logits: max diff {(on.float() - off.float()).abs().max():.3g}"
