@@ -95,8 +95,8 @@ class Policy:
     dense_chunk_attention: str = "triton"
     router_max_tokens: int = 64            # longer steps run the router module itself (two fp32 GEMMs)
     # Steps of at most this many tokens run their unrouted linears (the dense model's, say) through WIDE's GEMV and
-    # gemm_k with every group live, as fp8 weights always do; 0 = cuBLAS. H200, dense decode batch 1 at 1k:
-    # 4.65 vs 4.78 ms per step (bench_e2e.py times both).
+    # gemm_k with every group live, as fp8 weights always do; 0 = cuBLAS. On the H200 that is the faster dense
+    # decode at batch 1 (bench_e2e.py times both: results/e2e_h200.md, 'cublas linears').
     dense_gemv_max_tokens: int = 1
 
     def plan(self, shape, routers):
