@@ -23,7 +23,8 @@ SHAPES = {  # name -> (routers, weights, batch, tokens per row, chunk start or N
     "decode B20, all sparse": (True, "bf16", 20, 1, None),  # more rows than the GEMV takes: sorted tiles
     "prefill 1024": (True, "bf16", 16, 64, 0),  # Policy.sparse_prefill_min_tokens: gemm_mn's sorted tiles
     "later chunk": (True, "bf16", 2, 24, 40),
-    "dense decode B1": (False, "bf16", 1, 1, None),
+    "dense decode B1": (False, "bf16", 1, 1, None),  # Policy.dense_gemv_max_tokens: WIDE's kernels, every group live
+    "dense decode B1, cuBLAS linears": (False, "bf16", 1, 1, None),
     "dense later chunk": (False, "bf16", 2, 24, 40),
     "fp8 decode B1": (True, "fp8", 1, 1, None),
     "fp8 dense decode B8": (False, "fp8", 8, 1, None),
@@ -54,7 +55,8 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
         m.layers = m.layers[:1]
     if "rule off" in name or "all sparse" in name:  # routed FFN at more than 4 rows (model.routes_ffn)
         m.ffn_router_max_decode_rows = None
-    e = engine.Engine(m, ALL_SPARSE if "all sparse" in name else None, weights)
+    pol = ALL_SPARSE if "all sparse" in name else engine.Policy(dense_gemv_max_tokens=0) if "cuBLAS" in name else None
+    e = engine.Engine(m, pol, weights)
     with torch.no_grad():
         step = run_step(e, m, B, T, start)
         launches.clear()
@@ -69,7 +71,8 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
                 "decode B20, all sparse": {"layout", "tiles", "tiles_fused", "gemm_k", "decode_live"},
                 "prefill 1024": {"layout", "tiles", "tiles_fused", "prefill_live", "cublas_masked_input"},
                 "later chunk": {"layout", "prefill_live", "cublas_every_head", "cublas_masked"},
-                "dense decode B1": {"cublas", "decode_every", "norm"},
+                "dense decode B1": {"gemv_all", "gemv_fused_all", "gemm_k_all", "decode_every", "norm"},
+                "dense decode B1, cuBLAS linears": {"cublas", "decode_every", "norm"},
                 "dense later chunk": {"cublas", "prefill_every"},
                 "fp8 decode B1": {"gemv", "gemv_fused", "gemm_k"},
                 "fp8 dense decode B8": {"gemv_all", "gemv_fused_all", "gemm_k_all", "decode_every"},
@@ -148,8 +151,12 @@ def test_the_thresholds_move_ops_between_triton_and_cublas():
     assert [where(M, False, "gate_up") for M in (1023, 2048, 4096)] == ["cuBLAS", "Triton", "Triton"]
     assert [where(M, False, "down") for M in (1024, 4096)] == ["cuBLAS", "cuBLAS"]  # gemm_k cannot skip in prefill
     assert where(64, True, "attn_norm") == "Triton" and where(65, True, "attn_norm") == "Triton + torch"
-    dense = p.plan(policy.Shape(1, True), [(None, None)]).layers[0]
-    assert {op.runs for name, op in dense.items() if name in ("qkv", "o", "gate_up", "down")} == {"cuBLAS"}
+    # the dense model's linears: WIDE's kernels with every group live up to dense_gemv_max_tokens, then cuBLAS
+    linears = lambda pol, M: {op.kind for name, op in pol.plan(policy.Shape(M, True), [(None, None)]).layers[0].items()
+                              if name in ("qkv", "o", "gate_up", "down")}
+    assert linears(p, 1) == {"gemv_all", "gemv_fused_all", "gemm_k_all"} and linears(p, 2) == {"cublas"}
+    assert linears(policy.Policy(dense_gemv_max_tokens=0), 1) == {"cublas"}
+    assert linears(policy.Policy(dense_gemv_max_tokens=4), 4) == {"gemv_all", "gemv_fused_all", "gemm_k_all"}
 
 
 def test_the_engine_follows_a_plan_it_is_handed(launches, monkeypatch, one_thread):
