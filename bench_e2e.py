@@ -209,9 +209,11 @@ def decode_row(run, m, batch, context, log):
         dense[name] = with_engine(m, False, pol, lambda e: time_decode(run, e, batch, context, steps)[0])
         log(f"  dense ({name}): {dense[name]:.3f} ms")
     best = dense_policies[min(dense, key=dense.get)]
-    with kernels_base.pdl_off():
-        dense["PDL off"] = with_engine(m, False, best, lambda e: time_decode(run, e, batch, context, steps)[0])
-    log(f"  dense (its best without PDL): {dense['PDL off']:.3f} ms")
+    pdl = kernels_base.pdl(torch.device(run.device)) > 0  # else 'PDL off' would be the same run again
+    if pdl:
+        with kernels_base.pdl_off():
+            dense["PDL off"] = with_engine(m, False, best, lambda e: time_decode(run, e, batch, context, steps)[0])
+        log(f"  dense (its best without PDL): {dense['PDL off']:.3f} ms")
     policies = {"default": engine.Policy()}
     if not small:
         policies["all sparse"] = engine.Policy(sparse_decode_max_tokens=64)
@@ -219,9 +221,11 @@ def decode_row(run, m, batch, context, log):
         wide_ms[name], got = with_engine(m, True, pol, lambda e: time_decode(run, e, batch, context, steps))
         masks = masks or got
         log(f"  WIDE ({name}): {wide_ms[name]:.3f} ms, masks {got}")
-    with kernels_base.pdl_off():
-        wide_ms["PDL off"] = with_engine(m, True, engine.Policy(), lambda e: time_decode(run, e, batch, context, steps)[0])
-    log(f"  WIDE (default, without PDL): {wide_ms['PDL off']:.3f} ms")
+    if pdl:
+        with kernels_base.pdl_off():
+            wide_ms["PDL off"] = with_engine(m, True, engine.Policy(),
+                                             lambda e: time_decode(run, e, batch, context, steps)[0])
+        log(f"  WIDE (default, without PDL): {wide_ms['PDL off']:.3f} ms")
     # The vote rule (model.ffn_vote, off by default: it changes what a token computes), timed on the side:
     # an FFN group runs for the whole batch iff >= k rows want it. Never the row's headline WIDE time.
     votes = {}
