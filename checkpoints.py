@@ -126,7 +126,7 @@ def nearest_checkpoint(out_dir, method, target):
 
 
 def load_dialled(path, target=None, attn_target=None, ffn_target=None, *, windows, device="cpu",
-                 dtype=torch.float32, block_size=128):
+                 dtype=torch.float32, block_size=128, rule="shift"):
     """A router checkpoint dialled to a sparsity: (model, wcfg, dial). At the checkpoint's own target the
     offsets calibrated in training are used; otherwise the raw routers are calibrated and the offsets
     cached in PATH/dial.json (written atomically). dial: {"offsets", "targets", "source"}.
@@ -145,13 +145,14 @@ def load_dialled(path, target=None, attn_target=None, ffn_target=None, *, window
     if own and wcfg.offsets is None and target is not None:  # a checkpoint from before the dial: as trained
         return model, wcfg, dict(offsets=None, targets=targets, source="routers as trained: this checkpoint has no calibrated dial")
     key = " ".join(f"{k}={v:g}" for k, v in targets.items()) + f" windows={CALIB_WINDOWS}x{block_size}"
+    key += "" if rule == "shift" else f" rule={rule}"  # (the keys cached before there were rules stay valid)
     cache = os.path.join(path, "dial.json")
     saved = read_dial_cache(cache)
     if key in saved:
         offsets, source = saved[key]["offsets"], f"cached in {cache}"
     else:
         x = windows(load_tokenizer(path), block_size, CALIB_WINDOWS, CALIB_SEED).to(device)
-        offsets, realized = calibrate(model, x, target, attn_target, ffn_target)
+        offsets, realized = calibrate(model, x, target, attn_target, ffn_target, rule=rule)
         saved[key] = dict(offsets=offsets, realized_on_windows=realized)
         calibrated = f"calibrated on {CALIB_WINDOWS} training windows"
         written = write_dial_cache(cache, saved)

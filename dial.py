@@ -84,6 +84,19 @@ def solve_shift(gaps, target, iters=60):
     return (lo + hi) / 2
 
 
+def solve_power(rates, target, iters=60):
+    """Bisection on one exponent a: the mean over these routers of 1 - (1 - r)^a equals `target`, r each
+    router's rate at its trained target. Every router's kept share is raised to the same power, so the order
+    of the rates is kept and a router that keeps most of its groups (a layer the training protected) gives
+    up the least of them: the "keep_power" rule of calibrate."""
+    rate = lambda a: sum(1 - (1 - r) ** a for r in rates) / len(rates)
+    lo, hi = -12.0, 12.0  # log2 of the exponent
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rate(2 ** mid) < target else (lo, mid)
+    return 2 ** ((lo + hi) / 2)
+
+
 def solve_offset(gap, rate):
     """The offset at which mean(gap + offset > 0) is closest to `rate`: skip the k largest gaps, k as near
     rate * N as equal gaps allow (a token that recurs has one gap; it cannot be split). The offset sits
@@ -98,14 +111,20 @@ def solve_offset(gap, rate):
     return -float(above + below) / 2
 
 
-def calibrate(model, windows, target=None, attn_target=None, ffn_target=None):
+RULES = ("shift", "keep_power")
+
+
+def calibrate(model, windows, target=None, attn_target=None, ffn_target=None, rule="shift"):
     """Per-(layer, router type) offsets such that deterministic routing on `windows` [N, T] skips, on
     average, `target` of the groups (shared: the mean of attention and FFN, or the layer-skip rate), or
     attn_target / ffn_target separately. Deterministic: no randomness, a fixed visiting order.
 
-    Which layer skips how much is the routers' own choice: one common shift c per target (bisection,
-    solve_shift) moves every router's Gumbel-sampled rate, and each router then gets the offset at which
-    its deterministic rate equals its own shifted sampled rate (solve_offset). Routers are calibrated in
+    Which layer skips how much is the routers' own choice. rule "shift": one common shift c per target
+    (bisection, solve_shift) moves every router's Gumbel-sampled rate r (mean sigmoid(gap + c)). rule
+    "keep_power": every router's kept share 1 - r (r at c = 0, where training held the rates) is raised to
+    one common power (solve_power), which moves the routers that skip most the furthest and keeps the
+    layers the training protected. Each router then gets the offset at which its deterministic rate equals
+    its wanted rate (solve_offset). Routers are calibrated in
     forward order, each with the offsets of the earlier ones applied (they change its input).
     Returns ({kind: [offset per layer]}, {kind: [realized rate per layer on the windows]})."""
     gaps = collect_gaps(model, windows, None)
@@ -114,10 +133,18 @@ def calibrate(model, windows, target=None, attn_target=None, ffn_target=None):
         groups = {("attn",): attn_target, ("ffn",): ffn_target}
     else:
         groups = {tuple(kinds): target}
+    if rule not in RULES:
+        raise ValueError(f"dial rule {rule!r}: use one of {', '.join(RULES)}")
     want = {}
     for members, t in groups.items():
-        c = solve_shift([g for (k, _), g in gaps.items() if k in members], t)
-        want.update({key: torch.sigmoid(g + c).mean().item() for key, g in gaps.items() if key[0] in members})
+        mine = {key: g for key, g in gaps.items() if key[0] in members}
+        if rule == "shift":
+            c = solve_shift(list(mine.values()), t)
+            want.update({key: torch.sigmoid(g + c).mean().item() for key, g in mine.items()})
+        else:
+            base = {key: torch.sigmoid(g).mean().item() for key, g in mine.items()}
+            a = solve_power(list(base.values()), t)
+            want.update({key: 1 - (1 - r) ** a for key, r in base.items()})
     offsets = {k: [0.0] * len(model.layers) for k in kinds}
     for n, (kind, i, _) in enumerate(router_list(model)):
         gap = gaps[(kind, i)] if n == 0 else collect_gaps(model, windows, offsets)[(kind, i)]

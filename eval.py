@@ -37,6 +37,7 @@ import torch
 import baselines
 import cli
 import data
+import dial
 import kernels
 import wide
 from checkpoints import load_dialled, load_wide, router_checkpoints
@@ -109,13 +110,15 @@ def dial_rows(args, x, y):
     if not os.path.isfile(os.path.join(args.dial_from, "wide.json")):
         print(f"{args.dial_from}: not trained, no dial rows", flush=True)
         return rows
-    for s in args.dial:
-        model, wcfg, dial = load_dialled(args.dial_from, target=s, windows=data.dial_windows, device=args.device,
-                                         block_size=args.block_size)
-        rows.append(model_row(model, wcfg, x, y, args, "wide dial", s, checkpoint=args.dial_from,
-                              trained_target=wide.trained_target(wcfg), offsets=dial["offsets"]))
-        print(f"{args.dial_from} dialled to {s:g}: ppl {rows[-1]['val_ppl']:.2f}, realized "
-              f"{realized(rows[-1]):.3f}, flops {rows[-1]['linear_flop_fraction']:.3f}", flush=True)
+    for rule in args.dial_rules:  # "shift" rows are "wide dial"; another rule's are "wide dial (RULE)"
+        method = "wide dial" if rule == "shift" else f"wide dial ({rule})"
+        for s in args.dial:
+            model, wcfg, got = load_dialled(args.dial_from, target=s, windows=data.dial_windows, device=args.device,
+                                            block_size=args.block_size, rule=rule)
+            rows.append(model_row(model, wcfg, x, y, args, method, s, checkpoint=args.dial_from,
+                                  trained_target=wide.trained_target(wcfg), offsets=got["offsets"], dial_rule=rule))
+            print(f"{args.dial_from} dialled to {s:g} ({rule}): ppl {rows[-1]['val_ppl']:.2f}, realized "
+                  f"{realized(rows[-1]):.3f}, flops {rows[-1]['linear_flop_fraction']:.3f}", flush=True)
     return rows
 
 
@@ -334,6 +337,8 @@ def parser():
     p.add_argument("--dial-from", default=None, help="router checkpoint to dial (default OUT/wide-s0.5-stage2)")
     p.add_argument("--dial", type=cli.fraction(), nargs="*", default=[0.25, 0.4, 0.6, 0.75],
                    help="sparsities to dial it to")
+    p.add_argument("--dial-rules", nargs="+", choices=dial.RULES, default=["shift"],
+                   help="how the dial moves each router's rate (dial.calibrate): shift, keep_power")
     p.add_argument("--no-plot", action="store_true", help="skip results/quality.png")
     p.add_argument("--no-baselines", action="store_true", help="router rows only (no static width, TEAL, matching)")
     p.add_argument("--shared-batch", type=count, nargs="*", default=[8, 16], help="decode batch sizes for the "

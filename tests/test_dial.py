@@ -132,6 +132,30 @@ def test_realized_sparsity_rises_with_the_requested_target():
     assert seq[0] < 0.01, "target 0 skips nothing"
 
 
+def test_keep_power_raises_every_kept_share_to_one_power():
+    rates = [0.1, 0.4, 0.8]
+    for target in (0.2, 0.5, 0.7):
+        a = dial.solve_power(rates, target)
+        moved = [1 - (1 - r) ** a for r in rates]
+        assert sum(moved) / 3 == pytest.approx(target, abs=1e-9)
+        assert moved == sorted(moved), "the routers keep their order"
+    up = [1 - (1 - r) ** dial.solve_power(rates, 0.7) for r in rates]
+    # dialled up, the router that skipped most moves furthest in kept share (a power, not a logit shift)
+    assert (1 - rates[2]) / (1 - up[2]) > (1 - rates[0]) / (1 - up[0])
+
+
+@pytest.mark.parametrize("target", [0.2, 0.7])
+def test_the_keep_power_rule_hits_the_target_and_is_not_the_shift_rule(target):
+    model, _ = wide_model()
+    offsets, per_layer = dial.calibrate(model, WINDOWS, target, rule="keep_power")
+    got = realized(model, WINDOWS, offsets)
+    assert abs((got["attn"] + got["ffn"]) / 2 - target) < 0.01, (got, target)
+    shifted, _ = dial.calibrate(model, WINDOWS, target)
+    assert offsets != shifted
+    with pytest.raises(ValueError, match="keep_power"):
+        dial.calibrate(model, WINDOWS, target, rule="nope")
+
+
 def test_calibration_leaves_the_model_untouched():
     model, _ = wide_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -206,6 +230,11 @@ def test_load_dialled_calibrates_once_on_the_callers_windows_and_caches_atomical
     _, _, again = load(0.3)
     assert again["offsets"] == d1["offsets"], "a damaged cache is recomputed, to the same offsets"
     assert json.load(open(os.path.join(path, "dial.json"))) and len(asked) == 2
+    # another rule is another cache entry: calibrated once, not answered by the shift rule's offsets
+    _, _, kp = checkpoints.load_dialled(path, target=0.3, windows=make, block_size=32, rule="keep_power")
+    assert "calibrated on" in kp["source"] and kp["offsets"] != d1["offsets"] and len(asked) == 3
+    _, _, kp2 = checkpoints.load_dialled(path, target=0.3, windows=make, block_size=32, rule="keep_power")
+    assert kp2["offsets"] == kp["offsets"] and len(asked) == 3
 
 
 def test_dial_windows_are_training_windows_in_the_checkpoints_tokenizer(tokenizer, monkeypatch):
