@@ -26,6 +26,7 @@ Routing is deterministic (eval mode) throughout. Per-layer realized sparsity goe
 table of quality.md.
 """
 import argparse
+import inspect
 import datetime
 import json
 import math
@@ -41,6 +42,8 @@ import dial
 import kernels
 import wide
 from checkpoints import load_dialled, load_wide, router_checkpoints
+
+DIAL_RULE = inspect.signature(load_dialled).parameters["rule"].default  # the rule generate.py's dial uses
 from model import Transformer, load_tokenizer
 
 
@@ -110,8 +113,8 @@ def dial_rows(args, x, y):
     if not os.path.isfile(os.path.join(args.dial_from, "wide.json")):
         print(f"{args.dial_from}: not trained, no dial rows", flush=True)
         return rows
-    for rule in args.dial_rules:  # "shift" rows are "wide dial"; another rule's are "wide dial (RULE)"
-        method = "wide dial" if rule == "shift" else f"wide dial ({rule})"
+    for rule in args.dial_rules:  # the default rule's rows are "wide dial"; another rule's "wide dial (RULE)"
+        method = "wide dial" if rule == DIAL_RULE else f"wide dial ({rule})"
         for s in args.dial:
             model, wcfg, got = load_dialled(args.dial_from, target=s, windows=data.dial_windows, device=args.device,
                                             block_size=args.block_size, rule=rule)
@@ -176,6 +179,8 @@ class BatchShared(torch.nn.Module):
 def shared_rows(args, x, y):
     """Per-token routing against batch-shared FFN routing (BatchShared) for each batch size and k."""
     rows = []
+    if not args.shared_batch:  # --shared-batch with no sizes: no such rows
+        return rows
     # Batches of unrelated windows, every batch full (the remainder windows are left out of these rows).
     n = len(x) // math.lcm(*args.shared_batch) * math.lcm(*args.shared_batch) if args.shared_batch else 0
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:n]
@@ -337,8 +342,9 @@ def parser():
     p.add_argument("--dial-from", default=None, help="router checkpoint to dial (default OUT/wide-s0.5-stage2)")
     p.add_argument("--dial", type=cli.fraction(), nargs="*", default=[0.25, 0.4, 0.6, 0.75],
                    help="sparsities to dial it to")
-    p.add_argument("--dial-rules", nargs="+", choices=dial.RULES, default=["shift"],
-                   help="how the dial moves each router's rate (dial.calibrate): shift, keep_power")
+    p.add_argument("--dial-rules", nargs="+", choices=dial.RULES, default=[DIAL_RULE, "shift"],
+                   help="how the dial moves each router's rate (dial.calibrate; default: keep_power, then shift "
+                        "for comparison)")
     p.add_argument("--no-plot", action="store_true", help="skip results/quality.png")
     p.add_argument("--no-baselines", action="store_true", help="router rows only (no static width, TEAL, matching)")
     p.add_argument("--shared-batch", type=count, nargs="*", default=[8, 16], help="decode batch sizes for the "

@@ -214,7 +214,7 @@ def test_load_dialled_calibrates_once_on_the_callers_windows_and_caches_atomical
         asked.append((tok.to_str() == tokenizer.to_str(), block_size, n, seed))
         return windows
 
-    load = lambda target: checkpoints.load_dialled(path, target=target, windows=make, block_size=32)
+    load = lambda target: checkpoints.load_dialled(path, target=target, windows=make, block_size=32, rule="shift")
     m1, _, d1 = load(0.3)
     assert asked == [(True, 32, dial.CALIB_WINDOWS, dial.CALIB_SEED)], "the checkpoint's own tokenizer, once"
     assert "calibrated on" in d1["source"] and os.path.isfile(os.path.join(path, "dial.json"))
@@ -230,8 +230,9 @@ def test_load_dialled_calibrates_once_on_the_callers_windows_and_caches_atomical
     _, _, again = load(0.3)
     assert again["offsets"] == d1["offsets"], "a damaged cache is recomputed, to the same offsets"
     assert json.load(open(os.path.join(path, "dial.json"))) and len(asked) == 2
-    # another rule is another cache entry: calibrated once, not answered by the shift rule's offsets
-    _, _, kp = checkpoints.load_dialled(path, target=0.3, windows=make, block_size=32, rule="keep_power")
+    # another rule is another cache entry: calibrated once, not answered by the shift rule's offsets; keep_power
+    # is the default
+    _, _, kp = checkpoints.load_dialled(path, target=0.3, windows=make, block_size=32)
     assert "calibrated on" in kp["source"] and kp["offsets"] != d1["offsets"] and len(asked) == 3
     _, _, kp2 = checkpoints.load_dialled(path, target=0.3, windows=make, block_size=32, rule="keep_power")
     assert kp2["offsets"] == kp["offsets"] and len(asked) == 3
