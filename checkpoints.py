@@ -113,12 +113,14 @@ def router_checkpoints(out_dir):
 
 def nearest_checkpoint(out_dir, method, target):
     """The router checkpoint under out_dir whose trained target is nearest `target` (stage 2 before
-    stage 1, then the lower target on a tie), or a CheckpointError naming the command that trains one."""
-    found = [(abs(t - target), -stage, t, path) for path, m, t, stage in router_checkpoints(out_dir) if m == method]
+    stage 1, then one trained at a shared target before one with separate attention / FFN targets of the
+    same mean, then the lower target on a tie), or a CheckpointError naming the command that trains one."""
+    found = [(abs(t - target), -stage, os.path.basename(path).startswith(f"{m}-a"), t, path)
+             for path, m, t, stage in router_checkpoints(out_dir) if m == method]
     if not found:
         raise CheckpointError(f"no {method} router checkpoint in {out_dir}/ to dial to sparsity {target:g}; "
                               f"train one with: python train.py --method {method} --sparsity {target:g}")
-    return min(found)[3]
+    return min(found)[-1]
 
 
 # ----------------------------------------------------------------------------------------------------

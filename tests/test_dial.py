@@ -193,7 +193,8 @@ def test_offsets_travel_in_wide_json_and_load_wide_folds_them(tmp_path, tokenize
 
 
 def test_nearest_checkpoint_prefers_the_nearest_target_then_stage_2(tmp_path, tokenizer):
-    for name in ("wide-s0.25-stage1", "wide-s0.5-stage1", "wide-s0.5-stage2", "wide-a0.8-f0.6-stage1"):
+    for name in ("wide-s0.25-stage1", "wide-s0.5-stage1", "wide-s0.5-stage2", "wide-a0.8-f0.6-stage1",
+                 "wide-a0.75-f0.25-stage2"):  # (mean 0.5: a shared target of 0.5 comes first)
         save_router_checkpoint(tmp_path / name, tokenizer)
     near = lambda t: os.path.basename(checkpoints.nearest_checkpoint(str(tmp_path), "wide", t))
     assert near(0.3) == "wide-s0.25-stage1"
