@@ -32,19 +32,20 @@ ALL_DENSE_LINEARS = engine.Policy(sparse_decode_max_tokens=0, sparse_prefill_min
 SKIPPING = ("layout_kernel", "gemv_mn_kernel", "gemm_k_kernel", "attn_prefill_kernel", "attn_decode_kernel")
 
 
-def wide_model(device=DEV, dtype=torch.float32, seed=0, routers=True, std=0.3):
+def wide_model(device=DEV, dtype=torch.float32, seed=0, routers=True, std=0.3, cfg=None, ffn_group_size=32):
     """Tiny, but shaped as the kernels need: head_dim 16, groups of 2 heads (one KV head) and of 32
-    channels. Large weights give clear argmax margins; random routers skip about half the groups."""
+    channels. Large weights give clear argmax margins; random routers skip about half the groups.
+    cfg / ffn_group_size: another shape (the GPU tests)."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
-                      max_seq_len=96)
+    cfg = cfg or ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
+                             max_seq_len=96)
     m = Transformer(cfg)
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 2:
                 p.normal_(0, std)
     if routers:
-        wide.install_routers(m, wide.WideConfig(ffn_group_size=32))
+        wide.install_routers(m, wide.WideConfig(ffn_group_size=ffn_group_size))
     m = m.to(device)
     for name, p in m.named_parameters():  # routers stay fp32, as checkpoints.load_wide leaves them
         if "router" not in name:
@@ -311,20 +312,9 @@ def test_gpu_pdl_changes_no_bit_of_a_graphed_decode(routers):
     import kernels_base
     if not kernels_base.pdl(torch.device("cuda")):
         pytest.skip("PDL needs compute capability >= 9")
-    torch.manual_seed(3)
     cfg = ModelConfig(vocab_size=512, dim=1024, n_layers=4, n_heads=8, n_kv_heads=4, intermediate_size=4096,
                       max_seq_len=600)
-    m = Transformer(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.05)
-    if routers:
-        wide.install_routers(m, wide.WideConfig(ffn_group_size=128))
-    m = m.cuda().eval()
-    for name, p in m.named_parameters():
-        if "router" not in name:
-            p.data = p.data.to(torch.bfloat16)
+    m = wide_model("cuda", torch.bfloat16, seed=3, routers=routers, std=0.05, cfg=cfg, ffn_group_size=128)
     idx = torch.randint(0, 512, (1, 500), generator=torch.Generator().manual_seed(4)).cuda()
     policy = engine.Policy()
 
