@@ -4,6 +4,7 @@ routers actually realized there and the fraction of linear-layer FLOPs actually 
 matched executed FLOPs.
 
     python eval.py   # reads out/, writes results/quality.json, results/quality.md and results/quality.png
+    python eval.py --out-dir out-gpu --name quality_gpu   # the GPU-budget models (train.py --recipe gpu)
 
 Rows:
   dense        out/base
@@ -336,6 +337,8 @@ def parser():
     p = cli.parser(__doc__)
     p.add_argument("--out-dir", default="out")
     p.add_argument("--results", default="results")
+    p.add_argument("--name", default="quality", help="the results files: RESULTS/NAME.{json,md,png} and "
+                   "RESULTS/NAME_serving.{json,md}")
     p.add_argument("--block-size", type=count, default=128)
     p.add_argument("--batch-size", type=count, default=32)
     p.add_argument("--calib-batches", type=count, default=8, help="training batches to calibrate baselines on")
@@ -345,7 +348,7 @@ def parser():
     p.add_argument("--dial-rules", nargs="+", choices=dial.RULES, default=[DIAL_RULE, "shift"],
                    help="how the dial moves each router's rate (dial.calibrate; default: keep_power, then shift "
                         "for comparison)")
-    p.add_argument("--no-plot", action="store_true", help="skip results/quality.png")
+    p.add_argument("--no-plot", action="store_true", help="skip the plot (results/quality.png)")
     p.add_argument("--no-baselines", action="store_true", help="router rows only (no static width, TEAL, matching)")
     p.add_argument("--shared-batch", type=count, nargs="*", default=[8, 16], help="decode batch sizes for the "
                    "batch-shared FFN routing rows (none: no such rows)")
@@ -386,7 +389,7 @@ def main(argv=None):
                 held_out_tokens=y.numel(), block_size=args.block_size)
     serving = serving_rows(args, x, y, dense_ppl)
     os.makedirs(args.results, exist_ok=True)
-    save_results(os.path.join(args.results, "quality_serving"), dict(meta, rows=serving), serving_markdown(serving, meta))
+    save_results(os.path.join(args.results, args.name + "_serving"), dict(meta, rows=serving), serving_markdown(serving, meta))
     if args.serving_only:
         return
     trained, group_cfg = router_rows(args, x, y)
@@ -418,12 +421,12 @@ def main(argv=None):
 
     extra_static_teal = sorted(cache.values(), key=lambda r: (r["method"], r["target_sparsity"]))
     md = markdown(rows, matched, dense_ppl, meta, fp8, batch_shared)
-    save_results(os.path.join(args.results, "quality"), dict(
+    save_results(os.path.join(args.results, args.name), dict(
         meta, dense_val_ppl=round(dense_ppl, 3), rows=rows, matched_flops=matched, baseline_evaluations=extra_static_teal,
         fp8=fp8, batch_shared=batch_shared), md)
     print(md)
     if not args.no_plot:
-        plot(rows, extra_static_teal, dense_ppl, os.path.join(args.results, "quality.png"))
+        plot(rows, extra_static_teal, dense_ppl, os.path.join(args.results, args.name + ".png"), args.out_dir)
 
 
 def save_results(prefix, record, md):
@@ -503,7 +506,7 @@ def markdown(rows, matched, dense_ppl, meta, fp8=(), batch_shared=()):
     return "\n".join(out) + "\n"
 
 
-def plot(rows, baseline_rows, dense_ppl, path):
+def plot(rows, baseline_rows, dense_ppl, path, out_dir="out"):
     """Held-out perplexity against executed linear FLOPs, one line per method."""
     try:
         import matplotlib
@@ -533,7 +536,7 @@ def plot(rows, baseline_rows, dense_ppl, path):
     ax.set_ylim(dense_ppl * 0.97, min(top * 1.05, dense_ppl * 4))  # static width at 0.75 (6x dense) is off the top
     ax.set_xlabel("executed linear FLOPs (% of dense)")
     ax.set_ylabel("held-out perplexity (log scale)")
-    ax.set_title("Quality against executed FLOPs (held-out plays)")
+    ax.set_title(f"Quality against executed FLOPs (held-out plays; models of {out_dir}/)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
