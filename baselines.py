@@ -116,15 +116,19 @@ class TealLinear(nn.Module):
 def calibrate_teal(model, sparsity, batches):
     """Thresholds at the s-quantile of |input| for every projection (q, k, v share an input; so do
     gate and up), calibrated on training text: s of every linear's inputs are zeroed there.
+    sparsity: one s for every projection, or a function (layer index, first projection of the input's
+    group: "q_proj", "o_proj", "gate_proj" or "down_proj") -> s, for thresholds in some places only.
 
     In forward order, each projection's input is captured with the thresholds before it already in place:
     they change what it sees, and a threshold from dense inputs would zero more than s of the real ones."""
+    rate = sparsity if callable(sparsity) else lambda i, name: sparsity
     for i, layer in enumerate(model.layers):
         for group in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)):
-            acts = capture_inputs(model, batches, group[:1], layers=[i])
-            x = acts[(i, group[0])].abs().flatten()
-            k = max(1, int(sparsity * x.numel()))
-            t = x.kthvalue(k).values.item() if sparsity > 0 else -1.0
+            s = rate(i, group[0])
+            t = -1.0  # |x| > -1 always: nothing zeroed
+            if s > 0:
+                x = capture_inputs(model, batches, group[:1], layers=[i])[(i, group[0])].abs().flatten()
+                t = x.kthvalue(max(1, int(s * x.numel()))).values.item()
             for parent, n in LORA_TARGETS:
                 if n in group:
                     mod = getattr(layer, parent)
