@@ -114,7 +114,7 @@ def test_a_recipe_moves_the_defaults_and_a_given_flag_still_wins():
     cpu, _ = train.parse_args(["--device", "cpu"])
     gpu, _ = train.parse_args(["--recipe", "gpu", "--device", "cpu", "--stage2-steps", "7"])
     assert vars(cpu) == vars(train.parse_args(["--recipe", "cpu", "--device", "cpu"])[0])  # cpu = the defaults
-    assert (gpu.out_dir, gpu.batch_size, gpu.base_steps, gpu.stage1_steps) == ("out-gpu", 256, 4000, 4000)
+    assert (gpu.out_dir, gpu.batch_size, gpu.base_steps, gpu.stage1_steps) == ("out-gpu", 512, 500, 1600)
     assert gpu.stage2_steps == 7 and gpu.base_dir == "out-gpu/base"
     assert gpu.batch_size * gpu.stage1_steps >= 100 * cpu.batch_size * cpu.stage1_steps  # >= 100x the tokens
     if not torch.cuda.is_available():  # --recipe gpu asks for CUDA: one line, not a silent CPU run
