@@ -167,14 +167,19 @@ def test_smoke_never_writes_under_results():
     assert not os.path.exists(os.path.join(ROOT, "results", "e2e_smoke.json"))
 
 
-def test_e2e_append_replaces_only_the_parts_it_runs(tmp_path):
-    # fp8 rows measured by one command, prefill by another: --append keeps the first's rows and says
-    # which command measured which part; running fp8 again replaces its rows instead of adding more.
-    first, _ = smoke(tmp_path, "bench_e2e.py", "--only", "fp8")
-    second, md = smoke(tmp_path, "bench_e2e.py", "--only", "prefill", "--append")
-    assert [r["phase"] for r in second["rows"]] == [r["phase"] for r in first["rows"]] + ["prefill"]
-    assert second["rows"][0] == first["rows"][0]
-    assert "--append" not in second["commands"]["fp8"] and "--append" in second["commands"]["prefill"]
+def test_e2e_append_replaces_only_the_parts_it_runs(tmp_path, e2e_run):
+    # fp8 rows (not part of a plain smoke run) appended onto the whole smoke run: --append keeps every
+    # other part's rows and command and says which command measured which part; appending fp8 again
+    # replaces its rows instead of adding more.
+    first, _ = e2e_run
+    with open(tmp_path / "bench.json", "w") as f:  # smoke() writes and reads tmp_path/bench.*
+        json.dump(first, f)
+    second, md = smoke(tmp_path, "bench_e2e.py", "--only", "fp8", "--append")
+    fp8 = [r for r in second["rows"] if r["phase"] == "decode fp8"]
+    assert fp8 and not any(r["phase"] == "decode fp8" for r in first["rows"])
+    assert [r for r in second["rows"] if r["phase"] != "decode fp8"] == first["rows"]
+    assert "--append" in second["commands"]["fp8"]
+    assert all("--append" not in c for part, c in second["commands"].items() if part != "fp8")
     assert "Rows by part: " in md
     third, _ = smoke(tmp_path, "bench_e2e.py", "--only", "fp8", "--append")
     assert sorted(r["phase"] for r in third["rows"]) == sorted(r["phase"] for r in second["rows"])
