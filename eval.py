@@ -354,6 +354,8 @@ def parser():
                    "batch-shared FFN routing rows (none: no such rows)")
     p.add_argument("--serving-only", action="store_true", help="only results/quality_serving.* (bench_serve.py's "
                    "profiles, per token and under the batch rule for FFN width), the quality table untouched")
+    p.add_argument("--replot", metavar="JSON", help="only redraw the plot of a quality results file from its rows "
+                   "(JSON's name with .png), nothing scored")
     p.add_argument("--device", default="auto")
     return p
 
@@ -377,8 +379,22 @@ def texts(args):
     return x, y, calib
 
 
+def replot(path):
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+        rows, evaluated, dense_ppl = rec["rows"], rec["baseline_evaluations"], rec["dense_val_ppl"]
+    except (OSError, ValueError, KeyError) as e:
+        cli.fail(f"--replot: {path} is not a quality results file of eval.py ({type(e).__name__}: {e})")
+    words = rec["command"].split()
+    out_dir = words[words.index("--out-dir") + 1] if "--out-dir" in words[:-1] else "out"
+    plot(rows, evaluated, dense_ppl, os.path.splitext(path)[0] + ".png", out_dir)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.replot:
+        return replot(args.replot)
     cfg = Transformer.config_from_dir(os.path.join(args.out_dir, "base"))  # no trained model yet: one clear line
     x, y, calib = texts(args)
 
@@ -506,6 +522,21 @@ def markdown(rows, matched, dense_ppl, meta, fp8=(), batch_shared=()):
     return "\n".join(out) + "\n"
 
 
+def plot_series(rows, baseline_rows):
+    """The plot's lines: {label: rows}. A dial line holds its own rule's rows and the checkpoint's own target."""
+    trained = lambda r: r["method"] == "wide" and r["target_sparsity"] > 0  # target 0: the dense + LoRA control
+    return {"WIDE stage 2 (trained)": [r for r in rows if trained(r) and r["stage"] == 2],
+            "WIDE stage 1 (trained)": [r for r in rows if trained(r) and r["stage"] == 1],
+            "WIDE dial (stage 2 from 0.5)": [r for r in rows if r["method"] == "wide dial" or (  # + its own target
+                trained(r) and r.get("checkpoint") in {d["checkpoint"] for d in rows if d["method"] == "wide dial"})],
+            "dense + stage-2 LoRA (routers at 0)": [r for r in rows if r["method"] == "wide" and r["stage"] == 2
+                                                    and r["target_sparsity"] == 0],
+            "layer-skip stage 2": [r for r in rows if r["method"] == "layerskip" and r["stage"] == 2],
+            "layer-skip stage 1": [r for r in rows if r["method"] == "layerskip" and r["stage"] == 1],
+            "static width": [r for r in baseline_rows if r["method"] == "static"],
+            "TEAL-style": [r for r in baseline_rows if r["method"] == "teal"]}
+
+
 def plot(rows, baseline_rows, dense_ppl, path, out_dir="out"):
     """Held-out perplexity against executed linear FLOPs, one line per method."""
     try:
@@ -515,16 +546,10 @@ def plot(rows, baseline_rows, dense_ppl, path, out_dir="out"):
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return
-    series = {"WIDE stage 2 (trained)": [r for r in rows if r["method"] == "wide" and r["stage"] == 2],
-              "WIDE stage 1 (trained)": [r for r in rows if r["method"] == "wide" and r["stage"] == 1],
-              "WIDE dial (stage 2 from 0.5)": [r for r in rows if r["method"] == "wide dial" or (  # + its own target
-                  r.get("checkpoint") in {d["checkpoint"] for d in rows if d["method"] == "wide dial"})],
-              "layer-skip stage 2": [r for r in rows if r["method"] == "layerskip" and r["stage"] == 2],
-              "layer-skip stage 1": [r for r in rows if r["method"] == "layerskip" and r["stage"] == 1],
-              "static width": [r for r in baseline_rows if r["method"] == "static"],
-              "TEAL-style": [r for r in baseline_rows if r["method"] == "teal"]}
+    series = plot_series(rows, baseline_rows)
     style = {"WIDE stage 2 (trained)": "o-", "WIDE stage 1 (trained)": "o:", "WIDE dial (stage 2 from 0.5)": "s--",
-             "layer-skip stage 2": "^-", "layer-skip stage 1": "^:", "static width": "x-", "TEAL-style": "d-"}
+             "layer-skip stage 2": "^-", "layer-skip stage 1": "^:", "static width": "x-", "TEAL-style": "d-",
+             "dense + stage-2 LoRA (routers at 0)": "kP"}
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, rs in series.items():
         pts = sorted((r["linear_flop_fraction"], r["val_ppl"]) for r in rs if "attn_target" not in r)
@@ -533,7 +558,8 @@ def plot(rows, baseline_rows, dense_ppl, path, out_dir="out"):
     ax.plot([100], [dense_ppl], "k*", markersize=12, label="dense")
     ax.set_yscale("log")
     top = max([r["val_ppl"] for rs in series.values() for r in rs] + [dense_ppl])
-    ax.set_ylim(dense_ppl * 0.97, min(top * 1.05, dense_ppl * 4))  # static width at 0.75 (6x dense) is off the top
+    bottom = min([r["val_ppl"] for rs in series.values() for r in rs] + [dense_ppl])
+    ax.set_ylim(bottom * 0.97, min(top * 1.05, dense_ppl * 4))  # static width at 0.75 (6x dense) is off the top
     ax.set_xlabel("executed linear FLOPs (% of dense)")
     ax.set_ylabel("held-out perplexity (log scale)")
     ax.set_title(f"Quality against executed FLOPs (held-out plays; models of {out_dir}/)")

@@ -307,3 +307,30 @@ def test_serving_rows_score_each_profile_per_token_and_under_the_batch_rule(tmp_
     md = ev.serving_markdown(rows, dict(device="cpu", torch="t", date="d", command="c", held_out_tokens=128,
                                         block_size=16))
     assert "| 50/50 | dense at decode |" in md and "| dense | - |" in md
+
+
+def test_plot_lines_keep_the_control_and_other_dial_rules_apart_and_replot_redraws(tmp_path):
+    import json
+    import os
+    import shutil
+    import eval as ev
+    rows = [dict(method="wide", stage=2, target_sparsity=0.5, checkpoint="out/wide-s0.5-stage2", val_ppl=47.0,
+                 linear_flop_fraction=0.7),
+            dict(method="wide", stage=2, target_sparsity=0.0, checkpoint="out/wide-s0-stage2", val_ppl=44.0,
+                 linear_flop_fraction=1.03),
+            dict(method="wide dial", stage=2, target_sparsity=0.4, checkpoint="out/wide-s0.5-stage2", val_ppl=46.0,
+                 linear_flop_fraction=0.77),
+            dict(method="wide dial (shift)", stage=2, target_sparsity=0.4, checkpoint="out/wide-s0.5-stage2",
+                 val_ppl=46.5, linear_flop_fraction=0.78)]
+    s = ev.plot_series(rows, [dict(method="teal", val_ppl=45.0, linear_flop_fraction=0.7)])
+    assert [r["target_sparsity"] for r in s["WIDE stage 2 (trained)"]] == [0.5]
+    assert [r["target_sparsity"] for r in s["dense + stage-2 LoRA (routers at 0)"]] == [0.0]
+    assert [r["method"] for r in s["WIDE dial (stage 2 from 0.5)"]] == ["wide", "wide dial"]  # no "shift" row
+    assert len(s["TEAL-style"]) == 1
+    path = tmp_path / "quality_gpu.json"
+    shutil.copy(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "quality_gpu.json"), path)
+    ev.main(["--replot", str(path)])
+    assert (tmp_path / "quality_gpu.png").stat().st_size > 10_000
+    path.write_text(json.dumps(dict(rows=[])))
+    with pytest.raises(SystemExit, match="--replot"):
+        ev.main(["--replot", str(path)])
