@@ -168,21 +168,19 @@ def test_smoke_never_writes_under_results():
 
 
 def test_e2e_append_replaces_only_the_parts_it_runs(tmp_path, e2e_run):
-    # fp8 rows (not part of a plain smoke run) appended onto the whole smoke run: --append keeps every
-    # other part's rows and command and says which command measured which part; appending fp8 again
-    # replaces its rows instead of adding more.
+    # The prefill part measured again onto the module's whole smoke run: --append replaces the prefill
+    # rows instead of adding more, keeps every other part's rows and command, and says which command
+    # measured which part.
     first, _ = e2e_run
     with open(tmp_path / "bench.json", "w") as f:  # smoke() writes and reads tmp_path/bench.*
         json.dump(first, f)
-    second, md = smoke(tmp_path, "bench_e2e.py", "--only", "fp8", "--append")
-    fp8 = [r for r in second["rows"] if r["phase"] == "decode fp8"]
-    assert fp8 and not any(r["phase"] == "decode fp8" for r in first["rows"])
-    assert [r for r in second["rows"] if r["phase"] != "decode fp8"] == first["rows"]
-    assert "--append" in second["commands"]["fp8"]
-    assert all("--append" not in c for part, c in second["commands"].items() if part != "fp8")
+    second, md = smoke(tmp_path, "bench_e2e.py", "--only", "prefill", "--append")
+    assert sorted(r["phase"] for r in second["rows"]) == sorted(r["phase"] for r in first["rows"])
+    assert any(r["phase"] == "prefill" for r in first["rows"])
+    assert [r for r in second["rows"] if r["phase"] != "prefill"] == [r for r in first["rows"] if r["phase"] != "prefill"]
+    assert "--append" in second["commands"]["prefill"]
+    assert all("--append" not in c for part, c in second["commands"].items() if part != "prefill")
     assert "Rows by part: " in md
-    third, _ = smoke(tmp_path, "bench_e2e.py", "--only", "fp8", "--append")
-    assert sorted(r["phase"] for r in third["rows"]) == sorted(r["phase"] for r in second["rows"])
 
 
 def test_e2e_append_onto_a_file_that_is_not_its_results_is_one_line(tmp_path):

@@ -205,8 +205,9 @@ def greedy_both(m, idx, n, lengths=None, policy=DEFAULT):
 
 def test_greedy_tokens_identical_across_backends_at_batch_1(launches):
     m = wide_model()
-    # 16 new tokens: the cache grows past the interpreter's key block of 16 (positions 5..20)
-    (ref, ref_steps), (out, out_steps) = greedy_both(m, torch.tensor([[5, 17, 3, 44, 9]], device=DEV), 16)
+    # a 12-token prompt and 6 new tokens: the cache grows past the interpreter's key block of 16 (positions 12..17)
+    prompt = [[5, 17, 3, 44, 9, 21, 8, 60, 2, 33, 14, 7]]
+    (ref, ref_steps), (out, out_steps) = greedy_both(m, torch.tensor(prompt, device=DEV), 6)
     assert torch.equal(out, ref), f"\n{ref.tolist()}\n{out.tolist()}"
     for a, b in zip(ref_steps, out_steps):
         assert_same_masks(a, b)
@@ -217,10 +218,10 @@ def test_greedy_tokens_identical_across_backends_at_batch_1(launches):
 @pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE], ids=["default", "all-sparse"])
 def test_greedy_tokens_identical_across_backends_for_prompts_of_different_lengths(launches, policy):
     m = wide_model()
-    lengths = [7, 2, 5]
-    idx = torch.randint(1, 96, (3, 7), generator=torch.Generator().manual_seed(5)).to(DEV)
-    idx[1, 2:], idx[2, 5:] = 0, 0  # right padding
-    (ref, _), (out, _) = greedy_both(m, idx, 16, lengths, policy)  # past one key block of 16, as above
+    lengths = [14, 9, 12]
+    idx = torch.randint(1, 96, (3, 14), generator=torch.Generator().manual_seed(5)).to(DEV)
+    idx[1, 9:], idx[2, 12:] = 0, 0  # right padding
+    (ref, _), (out, _) = greedy_both(m, idx, 8, lengths, policy)  # every row past one key block of 16, as above
     assert torch.equal(out, ref), f"\n{ref.tolist()}\n{out.tolist()}"
     for name in ("layout_kernel", "attn_prefill_kernel", "attn_decode_kernel") + (
             ("gemm_mn_kernel", "gemm_k_kernel") if policy is ALL_SPARSE else ("gemv_mn_kernel", "gemm_k_kernel")):
