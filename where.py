@@ -222,6 +222,11 @@ def main(argv=None):
     args.device = cli.pick_device(args.device)
     base_dir = os.path.join(args.out_dir, "base")
     cfg = Transformer.config_from_dir(base_dir)
+    for stage in (1, 2):  # before any scoring: both stages of the target must be trained
+        path = os.path.join(args.out_dir, f"wide-s{args.target:g}-stage{stage}")
+        if not os.path.isfile(os.path.join(path, "wide.json")):
+            cli.fail(f"{path} is not trained; train it with python train.py --sparsity {args.target:g} "
+                     f"--out-dir {args.out_dir} (or pick another --target)")
     tok = load_tokenizer(base_dir)
     train_texts, val_texts = data.split_plays()
     x, y = data.val_windows(data.encode_plays(tok, val_texts), args.block_size)

@@ -105,3 +105,12 @@ def test_token_kinds_and_buckets():
     assert rows[1]["wide_flops"] == pytest.approx(0.7) and rows[1]["dense_nll"] == pytest.approx(3.0)
     by_index = where.buckets(torch.tensor([1, 1, 0, 0]), range(2), dense, w, t, width)
     assert by_index[0]["dense_nll"] == pytest.approx(3.5)
+
+
+def test_an_untrained_target_is_one_line_before_any_scoring(tmp_path):
+    import data
+    from model import save_checkpoint
+    tok = data.train_tokenizer(["To be, or not to be, that is the question."] * 4, 300)
+    save_checkpoint(str(tmp_path / "base"), random_model(), tok)
+    with pytest.raises(SystemExit, match="wide-s0.3-stage1 is not trained"):
+        where.main(["--out-dir", str(tmp_path), "--target", "0.3", "--device", "cpu"])
