@@ -18,29 +18,56 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPARSITIES = {0.25, 0.5, 0.75}
 
 
-def smoke(tmp_path, script, *args):
-    """Run `script --smoke` in a fresh interpreter; the JSON it wrote. The smoke runs are the CPU test
-    setup (the newest Triton's interpreter); on a GPU machine the benchmark itself is the real run."""
+def start_smoke(tmp_path, script, *args):
+    """Start `script --smoke` in a fresh interpreter; finish_smoke waits for it. The smoke runs are the
+    CPU test setup (the newest Triton's interpreter); on a GPU machine the benchmark itself is the real run."""
     if torch.cuda.is_available():
         pytest.skip("--smoke runs the kernels in the Triton interpreter (the CPU test setup); on a GPU the "
                     "benchmark itself is the real run")
     out = str(tmp_path / "bench")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, script, *args, "--smoke", "--out", out], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, script, *args, "--smoke", "--out", out], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, out
+
+
+def finish_smoke(started):
+    """The JSON and markdown a started smoke run wrote (it must exit 0 within 300 s)."""
+    proc, out = started
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     with open(out + ".json") as f, open(out + ".md") as g:
         return json.load(f), g.read()
 
 
-@pytest.fixture(scope="module")
-def kernel_run(tmp_path_factory):
-    return smoke(tmp_path_factory.mktemp("kernels"), "bench_kernels.py")
+def smoke(tmp_path, script, *args):
+    return finish_smoke(start_smoke(tmp_path, script, *args))
 
 
 @pytest.fixture(scope="module")
-def e2e_run(tmp_path_factory):
-    return smoke(tmp_path_factory.mktemp("e2e"), "bench_e2e.py")
+def both_runs(tmp_path_factory):
+    # The two whole smoke runs are single-threaded interpreters: side by side they take the time of one.
+    runs = (start_smoke(tmp_path_factory.mktemp("kernels"), "bench_kernels.py"),
+            start_smoke(tmp_path_factory.mktemp("e2e"), "bench_e2e.py"))
+    yield runs
+    for proc, _ in runs:  # a run no selected test waited for must not outlive the module
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def kernel_run(both_runs):
+    return finish_smoke(both_runs[0])
+
+
+@pytest.fixture(scope="module")
+def e2e_run(both_runs):
+    return finish_smoke(both_runs[1])
 
 
 def assert_meta(meta, script):
