@@ -80,9 +80,20 @@ def wide_place_flops(cfg, wcfg, kind, layers, keep):
     return 1 - saved / wide.dense_flops(cfg)
 
 
+def backbone(path, device):
+    """The dense model TEAL runs on: a base checkpoint, or a router checkpoint's backbone (LoRA merged,
+    routers removed), e.g. the control trained at target 0 (train.py --sparsity 0)."""
+    if not os.path.isfile(os.path.join(path, "wide.json")):
+        return Transformer.from_pretrained(path, device=device)
+    model, _ = load_wide(path, device=device)
+    for layer in model.layers:
+        layer.attn_router = layer.ffn_router = layer.layer_router = None
+    return model
+
+
 def teal_at(base_dir, kind, layers, s, calib, x, y, args):
     """TEAL thresholds at rate s in the place only: (ppl, executed FLOPs, NLL per token)."""
-    model = Transformer.from_pretrained(base_dir, device=args.device)
+    model = backbone(base_dir, args.device)
     first = ("q_proj", "o_proj") if kind == "attn" else ("gate_proj", "down_proj")
     everywhere = kind is None
     baselines.calibrate_teal(model, lambda i, n: s if everywhere or (i in layers and n in first) else 0.0, calib)
@@ -123,7 +134,7 @@ def place_rows(args, cfg, x, y, calib, dense_ppl):
                 nll, keep = token_nll(model, x, y, args)
             ppl = math.exp(nll.mean().item())
             f = wide_place_flops(cfg, wcfg, kind, layers, keep[kind])
-            teal_ppl, points, _ = teal_matched(os.path.join(args.out_dir, "base"), kind, layers, f,
+            teal_ppl, points, _ = teal_matched(args.teal_backbone, kind, layers, f,
                                                place_share(cfg, kind, layers), calib, x, y, args)
             rows.append(dict(stage=stage, place=label, kind=kind, layers=layers, backbone_ppl=round(own, 3),
                              skip=round(1 - sum(keep[kind][l].mean().item() for l in layers) / len(layers), 4),
@@ -167,7 +178,7 @@ def token_rows(args, cfg, x, y, calib, tok):
     a, f = keep["attn"].mean(0), keep["ffn"].mean(0)  # per token, over layers
     width = torch.tensor(wide.flop_fraction(cfg, wcfg, [a] * cfg.n_layers, [f] * cfg.n_layers))
     f_wide = wide.flop_fraction(cfg, wcfg, keep["attn"].mean(1).tolist(), keep["ffn"].mean(1).tolist())
-    teal_ppl, points, teal_nll = teal_matched(base_dir, None, [], f_wide, place_share(cfg, "attn", range(cfg.n_layers))
+    teal_ppl, points, teal_nll = teal_matched(args.teal_backbone, None, [], f_wide, place_share(cfg, "attn", range(cfg.n_layers))
                                               + place_share(cfg, "ffn", range(cfg.n_layers)), calib, x, y, args)
     q = lambda v: torch.bucketize(v, torch.quantile(v, torch.tensor([0.2, 0.4, 0.6, 0.8])))  # quintile 0..4
     kinds = [token_kind(tok.decode([i])) for i in y.flatten().tolist()]
@@ -184,15 +195,19 @@ def markdown(rec):
     out = [f"# Where WIDE and TEAL differ ({rec['out_dir']}/, routers trained at {rec['target']:g})", "",
            f"`{rec['command']}` on {rec['device']}, torch {rec['torch']}, {rec['date']}; {rec['held_out_tokens']} "
            "held-out tokens. Costs are perplexity ratios: WIDE's against its own backbone with every group run "
-           "(stage 1: the dense base), TEAL's against the dense base, at the same executed linear FLOPs.", "",
-           "## Places: only one place pruned", "",
-           "| stage | place | WIDE skip there | linear FLOPs | WIDE ppl (backbone) | WIDE cost | TEAL ppl [FLOPs] | TEAL cost | WIDE - TEAL |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           f"(stage 1: the dense base), TEAL's against its backbone ({rec['teal_backbone']}, ppl "
+           f"{rec['teal_backbone_ppl']:.2f}), at the same executed linear FLOPs.", ""]
+    if rec["places"]:
+        out += ["## Places: only one place pruned", "",
+                "| stage | place | WIDE skip there | linear FLOPs | WIDE ppl (backbone) | WIDE cost | TEAL ppl [FLOPs] | TEAL cost | WIDE - TEAL |",
+                "|---|---|---|---|---|---|---|---|---|"]
     for r in rec["places"]:
         pts = " / ".join(f"{f:.1%}" for f, _ in r["teal_points"])
         out.append(f"| {r['stage']} | {r['place']} | {r['skip']:.1%} | {r['linear_flop_fraction']:.1%} | {r['wide_ppl']:.2f} "
                    f"({r['backbone_ppl']:.2f}) | {r['wide_cost']:.4f} | {r['teal_ppl']:.2f} [{pts}] | {r['teal_cost']:.4f} | "
                    f"{r['wide_cost'] - r['teal_cost']:+.4f} |")
+    if t is None:
+        return "\n".join(out) + "\n"
     out += ["", f"## Tokens: WIDE stage 2 everywhere vs TEAL everywhere at {t['linear_flop_fraction']:.1%} of linear FLOPs", "",
             f"Perplexity: dense {t['dense_ppl']:.2f}, WIDE {t['wide_ppl']:.2f}, TEAL {t['teal_ppl']:.2f} (interpolated; "
             f"per-token NLLs below from its measurement at {min(t['teal_points'], key=lambda p: abs(p[0] - t['linear_flop_fraction']))[0]:.1%}). "
@@ -217,10 +232,14 @@ def main(argv=None):
     p.add_argument("--block-size", type=cli.integer(1), default=128)
     p.add_argument("--batch-size", type=cli.integer(1), default=32)
     p.add_argument("--calib-batches", type=cli.integer(1), default=8)
+    p.add_argument("--teal-backbone", help="the model TEAL runs on (default OUT/base); a router checkpoint means "
+                   "its backbone, LoRA merged, routers removed (e.g. OUT/wide-s0-stage2, the control)")
+    p.add_argument("--sections", nargs="+", choices=["places", "tokens"], default=["places", "tokens"])
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
     args.device = cli.pick_device(args.device)
     base_dir = os.path.join(args.out_dir, "base")
+    args.teal_backbone = args.teal_backbone or base_dir
     cfg = Transformer.config_from_dir(base_dir)
     for stage in (1, 2):  # before any scoring: both stages of the target must be trained
         path = os.path.join(args.out_dir, f"wide-s{args.target:g}-stage{stage}")
@@ -233,10 +252,12 @@ def main(argv=None):
     gen, stream = torch.Generator().manual_seed(0), data.encode_plays(tok, train_texts)
     calib = [data.get_batch(stream, 16, args.block_size, gen)[0].to(args.device) for _ in range(args.calib_batches)]
     dense_ppl = math.exp(token_nll(Transformer.from_pretrained(base_dir, device=args.device), x, y, args)[0].mean().item())
+    teal_ref = math.exp(token_nll(backbone(args.teal_backbone, args.device), x, y, args)[0].mean().item())
     rec = dict(date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv), device=args.device,
                torch=torch.__version__, out_dir=args.out_dir, target=args.target, held_out_tokens=y.numel(),
-               dense_ppl=round(dense_ppl, 3), places=place_rows(args, cfg, x, y, calib, dense_ppl),
-               tokens=token_rows(args, cfg, x, y, calib, tok))
+               dense_ppl=round(dense_ppl, 3), teal_backbone=args.teal_backbone, teal_backbone_ppl=round(teal_ref, 3),
+               places=place_rows(args, cfg, x, y, calib, teal_ref) if "places" in args.sections else [],
+               tokens=token_rows(args, cfg, x, y, calib, tok) if "tokens" in args.sections else None)
     os.makedirs(args.results, exist_ok=True)
     prefix = os.path.join(args.results, args.name + "_where")
     with open(prefix + ".json", "w") as f:

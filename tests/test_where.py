@@ -114,3 +114,24 @@ def test_an_untrained_target_is_one_line_before_any_scoring(tmp_path):
     save_checkpoint(str(tmp_path / "base"), random_model(), tok)
     with pytest.raises(SystemExit, match="wide-s0.3-stage1 is not trained"):
         where.main(["--out-dir", str(tmp_path), "--target", "0.3", "--device", "cpu"])
+
+
+def test_a_router_checkpoints_backbone_is_its_merged_model_without_routers(tmp_path):
+    import checkpoints
+    import data
+    from tiny_models import with_lora
+    tok = data.train_tokenizer(["To be, or not to be, that is the question."] * 4, 300)
+    model, wcfg = wide_model()
+    with_lora(model)
+    wcfg.lora_rank, wcfg.lora_alpha = 4, 8.0
+    checkpoints.save_wide(str(tmp_path / "wide-s0.5-stage2"), model, tok, wcfg)
+    dense = where.backbone(str(tmp_path / "wide-s0.5-stage2"), "cpu")
+    assert all(l.attn_router is None and l.ffn_router is None for l in dense.layers)
+    loaded, _ = checkpoints.load_wide(str(tmp_path / "wide-s0.5-stage2"))
+    idx = tokens(2, 10)
+    with where.routed_only(loaded, None, []):  # every group run: the same function as the backbone
+        expected = loaded(idx)
+    assert torch.allclose(dense(idx), expected, atol=1e-5)
+    with torch.no_grad():
+        plain = model(idx)  # with LoRA unmerged and the routers deciding: not the backbone
+    assert not torch.allclose(dense(idx), plain, atol=1e-3)
