@@ -176,7 +176,7 @@ def token_rows(args, cfg, x, y, calib, tok):
     model, wcfg = load_wide(os.path.join(args.out_dir, f"wide-s{args.target:g}-stage2"), device=args.device)
     wide_nll, keep = token_nll(model, x, y, args)
     a, f = keep["attn"].mean(0), keep["ffn"].mean(0)  # per token, over layers
-    width = torch.tensor(wide.flop_fraction(cfg, wcfg, [a] * cfg.n_layers, [f] * cfg.n_layers))
+    width = torch.as_tensor(wide.flop_fraction(cfg, wcfg, [a] * cfg.n_layers, [f] * cfg.n_layers))
     f_wide = wide.flop_fraction(cfg, wcfg, keep["attn"].mean(1).tolist(), keep["ffn"].mean(1).tolist())
     teal_ppl, points, teal_nll = teal_matched(args.teal_backbone, None, [], f_wide, place_share(cfg, "attn", range(cfg.n_layers))
                                               + place_share(cfg, "ffn", range(cfg.n_layers)), calib, x, y, args)
