@@ -114,6 +114,12 @@ def test_static_width_keeps_the_most_important_groups_for_every_token(target, ke
 # TEAL-style thresholds
 
 
+def zeroed_shares(model):
+    """{(layer, projection): the share of its inputs TEAL zeroed} since the counts were reset."""
+    return {(i, name): getattr(getattr(layer, parent), name).zeroed / getattr(getattr(layer, parent), name).total
+            for i, layer in enumerate(model.layers) for parent, name in wide.LORA_TARGETS}
+
+
 @pytest.mark.parametrize("sparsity", [0.25, 0.6])
 def test_teal_zeroes_the_share_s_of_the_calibration_inputs(sparsity):
     # The threshold is the s-quantile of |input|: rerunning the calibration text zeroes a share s of every
@@ -129,11 +135,8 @@ def test_teal_zeroes_the_share_s_of_the_calibration_inputs(sparsity):
     assert q.threshold == x.kthvalue(int(sparsity * x.numel())).values.item()
     for x in batches:
         model(x)
-    for i, layer in enumerate(model.layers):
-        for parent, name in wide.LORA_TARGETS:
-            m = getattr(getattr(layer, parent), name)
-            share = m.zeroed / m.total
-            assert abs(share - sparsity) <= 0.01, f"layer {i} {name}: zeroed {share:.3f}, target {sparsity}"
+    for (i, name), share in zeroed_shares(model).items():
+        assert abs(share - sparsity) <= 0.01, f"layer {i} {name}: zeroed {share:.3f}, target {sparsity}"
 
 
 def test_teal_at_sparsity_0_zeroes_nothing_and_keeps_the_logits():

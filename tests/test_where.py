@@ -8,6 +8,7 @@ import torch
 import baselines
 import where
 import wide
+from test_baselines import zeroed_shares
 from tiny_models import random_model, tokens, wide_model
 
 
@@ -21,14 +22,11 @@ def test_teal_with_a_rate_per_place_zeroes_only_that_place():
     baselines.calibrate_teal(model, lambda i, n: 0.5 if (i, n) == (1, "gate_proj") else 0.0, cal)
     for x in cal:
         model(x)
-    for i, layer in enumerate(model.layers):
-        for parent, name in wide.LORA_TARGETS:
-            m = getattr(getattr(layer, parent), name)
-            share = m.zeroed / m.total
-            if i == 1 and name in ("gate_proj", "up_proj"):  # gate and up share their input and threshold
-                assert abs(share - 0.5) <= 0.02, f"layer 1 {name}: zeroed {share:.3f}"
-            else:
-                assert share == 0, f"layer {i} {name} zeroed {share:.3f} outside the place"
+    for (i, name), share in zeroed_shares(model).items():
+        if i == 1 and name in ("gate_proj", "up_proj"):  # gate and up share their input and threshold
+            assert abs(share - 0.5) <= 0.02, f"layer 1 {name}: zeroed {share:.3f}"
+        else:
+            assert share == 0, f"layer {i} {name} zeroed {share:.3f} outside the place"
 
 
 def masks_of(model, idx):
