@@ -26,9 +26,10 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see python {self.prog} --help)\n")
 
 
-def parser(doc):
-    """The parser of a script whose module docstring is its --help text."""
-    return Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc, prog=None):
+    """The parser of a script whose module docstring is its --help text. prog: how the script is started
+    when that is not `python FILE` (the benchmarks' "-m bench.ops")."""
+    return Parser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def fail(message):

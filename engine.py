@@ -20,7 +20,7 @@ the engine runs straight through that plan (it has no thresholds of its own), an
 
 fp8 weights (`Engine(model, weights="fp8")`, generate.py --weights fp8): the prunable linears' weights
 (Q, K and V as one fused tensor, O, gate+up, down) are quantized once to e4m3 with one scale per output
-channel; the embeddings and lm_head stay in the model dtype. Steps of at most SMALL_M (16) tokens run
+channel; the embeddings and lm_head stay in the model dtype. Steps of at most policy.GEMV_MAX_TOKENS tokens run
 the fp8 decode kernels (the dense model too, every group live); longer ones dequantize and run as bf16.
 
 The small fused kernels of this path (residual add + RMSNorm + router, RoPE with the KV-cache write)
@@ -28,6 +28,7 @@ live in kernels_step.py, each after its PyTorch twin. Inference only: prefills (
 at shared positions, as serve.py feeds them) and one-token decode steps at per-row positions; a CUDA
 graph replays a decode step (generate.py).
 """
+import time
 from typing import NamedTuple
 
 import torch
@@ -35,11 +36,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from kernels_base import INTERPRET, pow2_divisor
 from kernels_attention import attention_decode, attention_prefill
+from kernels_base import INTERPRET, pow2_divisor
+from kernels_layout import layout
 from kernels_step import norm_route, rms_norm, rope_and_store
 from model import shared_by_vote
-from policy import Plan, Policy, Shape  # noqa: F401 (engine.Policy is the name callers use)
+from policy import Plan, Policy, Shape
 
 
 def why_not_ready(model):
@@ -203,7 +205,7 @@ class Engine:
             visible = (torch.arange(L, device=idx.device) < kv_len[:, None])[:, None, None]
         every_head = None
         if "step_every_head" in plan.step:
-            every_head = kernels.layout(torch.ones(B, T, m.config.n_kv_heads, dtype=torch.bool, device=idx.device))
+            every_head = layout(torch.ones(B, T, m.config.n_kv_heads, dtype=torch.bool, device=idx.device))
         return Step(decode, cos, sin, slot, kv_len, all_heads, visible, start, every_head, plan)
 
     def __call__(self, idx, input_pos=None, logits_at=None, masks=None):
@@ -279,7 +281,7 @@ class Engine:
             mask, gs = head_mask.reshape(M, -1), H // head_mask.shape[-1] * d
         if "attn_layout" in ops:
             # The layout (mask reordering), built once per router decision: Q proj and attention share it.
-            lay = kernels.layout(head_mask)
+            lay = layout(head_mask)
         op = ops["qkv"]
         wqkv, s8 = self.linear_weights(layer, "qkv", op)
         if op.kind == "gemv":
@@ -349,11 +351,11 @@ class Engine:
             # gate+up fused, active channel groups only, silu(gate)*up in the epilogue, pruned slots 0.
             up_scale = None if sgu is None else sgu[I:]
             gate_scale = None if sgu is None else sgu[:I]
-            if op.kind == "gemv_fused_all":  # every row as gemv_mn's dense tail: mask [M, 0]
+            if op.kind == "gemv_fused_all":  # every row as the decode GEMV's dense tail: mask [M, 0]
                 a = kernels.gemm_mn(x2, wgu[:I], self.no_groups(M), dense_group(I), w_up=wgu[I:], dense_tail=I,
                                     w_scale=gate_scale, w_up_scale=up_scale)
             else:  # "gemv_fused" reads the mask itself, "tiles_fused" the layout
-                lay = kernels.layout(channel_mask) if "ffn_layout" in ops else mask
+                lay = layout(channel_mask) if "ffn_layout" in ops else mask
                 a = kernels.gemm_mn(x2, wgu[:I], lay, gs, w_up=wgu[I:], w_scale=gate_scale, w_up_scale=up_scale)
         op = ops["down"]
         wd, sd = self.linear_weights(layer, "down", op)
@@ -387,3 +389,47 @@ def dense_group(n):
     gs = pow2_divisor(n, 128)
     assert gs >= 16, f"{n} channels are not a multiple of 16"
     return gs
+
+
+# ----------------------------------------------------------------------------------------------------
+# replaying a decode step, and timing it
+
+
+class CUDAGraphDecoder:
+    """One decode step captured as a CUDA graph over static buffers (gpt-fast's reduce-overhead, by hand).
+
+    A replay launches every kernel of the step (Triton or cuBLAS) with no Python in between, so a
+    decode step costs its GPU time, not its launch overhead. The warm-up runs outside the graph (Triton
+    compiles, cuBLAS picks its kernels) with the step's real inputs, so the K/V it writes into the cache
+    are the ones the step itself writes again. Sampling stays outside, in eager mode."""
+
+    def __init__(self, model, token, pos):
+        self.model, self.token, self.pos = model, token.clone(), pos.clone()
+        self.masks = {}  # the routers' decisions of a replay: static tensors the graph rewrites
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.forward()
+
+    def forward(self):
+        pos = self.pos.view(1) if self.pos.dim() == 0 else self.pos.view(-1, 1)
+        self.masks.clear()
+        return self.model(self.token, input_pos=pos, masks=self.masks)[:, -1]
+
+    def __call__(self, token, pos):
+        self.token.copy_(token)
+        self.pos.copy_(pos)
+        self.graph.replay()
+        return self.logits
+
+
+def clock(device):
+    """The host clock in seconds, read once the work queued on `device` has finished."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter()

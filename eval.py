@@ -17,7 +17,7 @@ Rows:
   shared       batch-shared FFN routing at serving time (BatchShared): WIDE stage 2 at 0.5 (and the
                attention-leaning 75/25 routers if trained) with B held-out windows decoding side by side
                and a channel group run for the whole batch iff at least k of their tokens want it
-  serving      bench_serve.py's profiles (the routers trained at 0.5 and at a0.75/f0.25), per token and under
+  serving      bench/serving.py's profiles (the routers trained at 0.5 and at a0.75/f0.25), per token and under
                the batch rule for FFN width (model.Transformer.routes_ffn) -> results/quality_serving.{json,md}
                (--serving-only: these rows alone, the quality table untouched)
   fp8          dense and WIDE (stage 2 at 0.5) with fp8 weights: the prunable linears (q, k, v, o, gate, up,
@@ -211,7 +211,7 @@ def shared_rows(args, x, y):
 
 
 def serving_rows(args, x, y, dense_ppl):
-    """The quality of bench_serve.py's router profiles, WIDE 50/50 and 75/25, taken as the routers trained
+    """The quality of bench/serving.py's router profiles, WIDE 50/50 and 75/25, taken as the routers trained
     at those targets (OUT/wide-s0.5-stage2, OUT/wide-a0.75-f0.25-stage2), each two ways: per-token routing
     (a prompt token, and a token decoded in a step of at most ffn_router_max_decode_rows rows) and under
     the batch rule for FFN width (a token decoded in a step of more rows: its FFN runs whole, its attention
@@ -240,7 +240,7 @@ def serving_markdown(rows, meta):
            f"`{meta['command']}` on the held-out plays ({meta['held_out_tokens']} tokens, windows of "
            f"{meta['block_size']}). 'per token': the routers decide every group; 'dense at decode': the batch rule "
            "for FFN width (a decode step of more than 4 rows runs the whole FFN, attention stays routed). "
-           "bench_serve.py's WIDE 50/50 and 75/25 profiles are these routers' targets.", "",
+           "bench/serving.py's WIDE 50/50 and 75/25 profiles are these routers' targets.", "",
            "| profile | FFN rule | val ppl | ppl / dense | attn skipped | FFN skipped |", "|---|---|---|---|---|---|"]
     out += [f"| {r['profile']} | {r['ffn_rule']} | {r['val_ppl']:.2f} | {r['ppl_vs_dense']:.3f} | "
             f"{r.get('attn_skip', 0):.1%} | {r.get('ffn_skip', 0):.1%} |" for r in rows]
@@ -352,7 +352,7 @@ def parser():
     p.add_argument("--no-baselines", action="store_true", help="router rows only (no static width, TEAL, matching)")
     p.add_argument("--shared-batch", type=count, nargs="*", default=[8, 16], help="decode batch sizes for the "
                    "batch-shared FFN routing rows (none: no such rows)")
-    p.add_argument("--serving-only", action="store_true", help="only results/quality_serving.* (bench_serve.py's "
+    p.add_argument("--serving-only", action="store_true", help="only results/quality_serving.* (bench/serving.py's "
                    "profiles, per token and under the batch rule for FFN width), the quality table untouched")
     p.add_argument("--replot", metavar="JSON", help="only redraw the plot of a quality results file from its rows "
                    "(JSON's name with .png), nothing scored")

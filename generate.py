@@ -23,7 +23,6 @@ of different lengths (right-padded; each row decodes at its own positions).
 An empty prompt (--prompt "") starts from the end-of-text token, i.e. the model begins a new passage.
 """
 import os
-import time
 
 import torch
 
@@ -70,39 +69,6 @@ def decode_one_token(model, token, pos, temperature, top_k, generator=None, mask
     return sample(logits[:, -1], temperature, top_k, generator)
 
 
-class CUDAGraphDecoder:
-    """One decode step captured as a CUDA graph over static buffers (gpt-fast's reduce-overhead, by hand).
-
-    A replay launches every kernel of the step (Triton or cuBLAS) with no Python in between, so a
-    decode step costs its GPU time, not its launch overhead. The warm-up runs outside the graph (Triton
-    compiles, cuBLAS picks its kernels) with the step's real inputs, so the K/V it writes into the cache
-    are the ones the step itself writes again. Sampling stays outside, in eager mode."""
-
-    def __init__(self, model, token, pos):
-        self.model, self.token, self.pos = model, token.clone(), pos.clone()
-        self.masks = {}  # the routers' decisions of a replay: static tensors the graph rewrites
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self.forward()
-
-    def forward(self):
-        pos = self.pos.view(1) if self.pos.dim() == 0 else self.pos.view(-1, 1)
-        self.masks.clear()
-        return self.model(self.token, input_pos=pos, masks=self.masks)[:, -1]
-
-    def __call__(self, token, pos):
-        self.token.copy_(token)
-        self.pos.copy_(pos)
-        self.graph.replay()
-        return self.logits
-
-
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, generator=None, on_token=None,
              lengths=None, cuda_graph=None, timings=None):
@@ -128,11 +94,11 @@ def generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, generator=
     out = torch.zeros(B, total, dtype=torch.long, device=idx.device)
     out[:, :P] = idx if lengths is None else idx * (torch.arange(P, device=idx.device) < lengths[:, None])
     try:
-        t0 = clock(idx.device)
+        t0 = engine.clock(idx.device)
         masks = {} if on_token is not None else None
         token = prefill(model, idx, temperature, top_k, generator, lengths, masks)
-        t1 = clock(idx.device)
-        prefill_s, step = t1 - t0, None
+        t1 = engine.clock(idx.device)
+        prefill_s, graph = t1 - t0, None
         for i in range(max_new_tokens):
             if lengths is None:
                 out[:, P + i] = token[:, 0]
@@ -145,16 +111,16 @@ def generate(model, idx, max_new_tokens, temperature=0.0, top_k=None, generator=
             # Every row's next token sits right after its own last one: one position for the whole
             # batch, or one per row when the prompts differ in length.
             pos = torch.tensor(P + i, device=idx.device) if lengths is None else lengths + i
-            if cuda_graph and step is None:
-                step = CUDAGraphDecoder(model, token, pos)
-                t1 = clock(idx.device)  # the capture is setup, not decode time
-            if step is not None:
-                token, masks = sample(step(token, pos), temperature, top_k, generator), step.masks
+            if cuda_graph and graph is None:
+                graph = engine.CUDAGraphDecoder(model, token, pos)
+                t1 = engine.clock(idx.device)  # the capture is setup, not decode time
+            if graph is not None:
+                token, masks = sample(graph(token, pos), temperature, top_k, generator), graph.masks
             else:
                 masks = {} if on_token is not None else None
                 token = decode_one_token(model, token, pos, temperature, top_k, generator, masks)
         if timings is not None:
-            timings.update(prefill_s=prefill_s, decode_s=clock(idx.device) - t1,
+            timings.update(prefill_s=prefill_s, decode_s=engine.clock(idx.device) - t1,
                            decode_tokens=B * (max_new_tokens - 1))
     finally:
         model.clear_caches()
@@ -168,16 +134,6 @@ def encode_prompt(tok, prompt):
             raise ValueError("empty prompt: this tokenizer has no end-of-text token to start from; give --prompt")
         return [eot]
     return tok.encode(prompt).ids
-
-
-def sync(device):
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def clock(device):
-    sync(device)
-    return time.perf_counter()
 
 
 # Colours for --show-width, from the narrowest to the widest tokens.
@@ -351,9 +307,9 @@ def main(argv=None):
         last = torch.tensor([len(r) - 1 for r in rows], device=args.device)
         on_token = lambda i, token, masks: widths.append(token_widths(masks, model.config, wcfg, last if i == 0 else None))
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
-    t0 = clock(args.device)
+    t0 = engine.clock(args.device)
     out = generate(forward, idx, args.max_new_tokens, args.temperature, args.top_k, gen, on_token, lengths=lengths)
-    dt = clock(args.device) - t0
+    dt = engine.clock(args.device) - t0
     widths = [{k: v.cpu() for k, v in w.items()} for w in widths]
 
     print(f"checkpoint: {path}" + (f" ({wcfg.method}, target {wide.trained_target(wcfg):g}, stage {wcfg.stage})" if wcfg else ""))

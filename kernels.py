@@ -27,9 +27,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels_base import (CONFIGS, INTERPRET, LONG_K, SMALL_M, check_device, config_for, empty, launch_args,  # noqa: F401
-                          num_sms, pdl_args, pow2_divisor, prior_done)
-from kernels_layout import Layout, as_layout, flat_mask, layout, layout_ref  # noqa: F401
+from kernels_base import LONG_K, check_device, config_for, empty, launch_args, num_sms, pdl_args, pow2_divisor, prior_done
+from kernels_layout import as_layout, flat_mask
+from policy import GEMV_MAX_TOKENS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,11 +252,11 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     N = w.shape[0]
     G, GE = (N - dense_tail) // group_size, dense_tail // group_size
     assert (G + GE) * group_size == N and group_size % 16 == 0, "group_size must divide N and be a multiple of 16"
-    assert not dense_tail or M <= SMALL_M, "dense_tail is for the decode GEMV"
+    assert not dense_tail or M <= GEMV_MAX_TOKENS, "dense_tail is for the decode GEMV"
     fused = w_up is not None
     fp8 = w_scale is not None
     assert not fused or fp8 == (w_up_scale is not None), "fp8 gate and up need a scale each"
-    if fp8 and M > SMALL_M:  # only the decode GEMV reads fp8; the tiles get the values it stands for
+    if fp8 and M > GEMV_MAX_TOKENS:  # only the decode GEMV reads fp8; the tiles get the values it stands for
         w = dequantize_fp8(w, w_scale, x.dtype)
         w_up = dequantize_fp8(w_up, w_up_scale, x.dtype) if fused else None
         fp8 = False
@@ -266,7 +266,7 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     wus = w_up_scale.contiguous() if fp8 and fused else ws
     out = empty((M, N), x.dtype, x.device)
     ieee = x.dtype == torch.float32
-    if M <= SMALL_M:  # decode: GEMV straight from the mask
+    if M <= GEMV_MAX_TOKENS:  # decode: GEMV straight from the mask
         key = ("gemv_mn_1_fused" if fused else "gemv_mn_1") + ("_fp8" if fp8 else "") if M == 1 else "gemv_mn"
         cfg = config_for(key, config)
         m = flat_mask(mask_or_layout).view(torch.uint8)
@@ -275,7 +275,7 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
         BN = pow2_divisor(group_size, cfg["BN"])
         _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, m, empty((P, GP), torch.int32, x.device), M, N, K,
                               G, GE, x.stride(0), w.stride(0), out.stride(0), GS=group_size, GP=GP,
-                              BT=1 if M == 1 else SMALL_M, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8,
+                              BT=1 if M == 1 else GEMV_MAX_TOKENS, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8,
                               IEEE=ieee, **launch_args(cfg), **pdl_args(x.device))
         return out
     lay = as_layout(mask_or_layout)
@@ -453,11 +453,11 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     N = w.shape[0]
     G = K // group_size
     assert G * group_size == K and group_size % 16 == 0, "group_size must divide K and be a multiple of 16"
-    if w_scale is not None and method == "atomic" and M > SMALL_M:
+    if w_scale is not None and method == "atomic" and M > GEMV_MAX_TOKENS:
         w, w_scale = dequantize_fp8(w, w_scale, a.dtype), None
     a, w = a.contiguous(), w.contiguous()
     ieee = a.dtype == torch.float32
-    if method == "atomic" and M > SMALL_M:
+    if method == "atomic" and M > GEMV_MAX_TOKENS:
         lay = as_layout(mask_or_layout)
         cfg = config_for("gemm_k_atomic", config)
         out32 = torch.zeros((M, N), dtype=torch.float32, device=a.device)  # atomics need zeros
@@ -470,7 +470,7 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
         return out32.to(a.dtype) if residual is None else residual + out32.to(a.dtype)
     assert method in ("tile", "atomic"), "method must be 'tile' or 'atomic'"
     small = ("gemm_k_small_long_k" if K >= LONG_K else "gemm_k_small") + ("_fp8" if w_scale is not None else "")
-    cfg = config_for(small if M <= SMALL_M else "gemm_k", config)
+    cfg = config_for(small if M <= GEMV_MAX_TOKENS else "gemm_k", config)
     split = cfg.get("SPLIT", 1)
     BM = 1 if M == 1 and cfg.get("FMA") else cfg["BM"]  # FMA: one token as a one-row tile, no tl.dot
     out = empty((M, N), a.dtype, a.device)

@@ -1,6 +1,5 @@
 """
-What every kernel file shares: the interpreter switch, the token counts that pick a kernel variant, the
-block sizes, and the small host-side helpers the launches use (output buffers, the device check, the
+What every kernel file shares: the interpreter switch, the block sizes, and the small host-side helpers the launches use (output buffers, the device check, the
 programs-per-SM count). The kernel files import from here and from nowhere above them.
 """
 import contextlib
@@ -12,10 +11,9 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-SMALL_M = 16  # at most this many tokens: the decode (GEMV) paths, no layout needed
 LONG_K = 8192  # decode gemm_k with at least this reduction length splits its groups over programs
 
-# Block sizes. Hand-picked on an H200 (python bench_tune.py); the interpreter gets tiny fixed ones.
+# Block sizes. Hand-picked on an H200 (python -m bench.tune); the interpreter gets tiny fixed ones.
 # Read-only: a caller that wants other sizes (the tuning sweep) passes `config=` to the op.
 CONFIGS = {
     "block_m": 128,  # layout tile (gemm_mn token tile, gemm_k atomic token tile)
@@ -78,7 +76,7 @@ def check_device(t):
 
 
 def config_for(key, override):
-    # The tuned block sizes of one kernel, with a caller's overrides (bench_kernels.py's sweep) on top.
+    # The tuned block sizes of one kernel, with a caller's overrides (bench/tune.py's sweep) on top.
     return {**CONFIGS[key], **(override or {})}
 
 

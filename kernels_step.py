@@ -14,10 +14,7 @@ import triton.language as tl
 
 from kernels_base import INTERPRET, check_device, empty, pdl_args, prior_done
 from model import apply_rope
-
-# norm_route: with at most this many tokens the router's second Linear runs in the same launch
-# (policy.py counts the launches with it)
-ROUTER_UP_FUSED_MAX_TOKENS = 4
+from policy import ROUTER_UP_FUSED_MAX_TOKENS
 
 
 def rms_norm_ref(x, norm, residual=None):

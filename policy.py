@@ -10,15 +10,19 @@ groups no token of the step runs (the GEMV's live-group list), but the union of 
 already covers nearly every group, so larger steps hand the pruned linears to cuBLAS on the masked input.
 Prefill: gemm_mn's sorted tiles skip FLOPs from about a thousand tokens on; gemm_k cannot (with per-token
 masks no 16-token tile shares a skipped group), so O and down run cuBLAS on the masked input, which is
-exact because the pruned slots are zero. fp8 codes are read by the decode GEMVs only (<= SMALL_M tokens);
+exact because the pruned slots are zero. fp8 codes are read by the decode GEMVs only (<= GEMV_MAX_TOKENS tokens);
 a prefill dequantizes them and runs as bf16.
 """
 from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kernels_base import SMALL_M
-from kernels_step import ROUTER_UP_FUSED_MAX_TOKENS
+
+# The token counts at which a kernel takes another code path; the kernels read them from here.
+GEMV_MAX_TOKENS = 16  # gemm_mn / gemm_k: at most this many tokens run the decode GEMV (mask read directly,
+                      # no layout; the only path that reads fp8 codes); more run token tiles
+ROUTER_UP_FUSED_MAX_TOKENS = 4  # norm_route: at most this many tokens run the router's second Linear in
+                                # the same launch; more add one router_up launch
 
 
 class Shape(NamedTuple):
@@ -48,8 +52,8 @@ KINDS = {
     "norm_route": "RMSNorm + the router in one launch (norm_route), residual add fused",
     "norm_then_router": "RMSNorm (rms_norm), then the router module itself (two fp32 GEMMs)",
     "layout": "mask reordering: per group, its tokens first (layout + work list)",
-    "gemv": "the live groups' weight rows only (gemv_mn's live-group list); K and V as its dense tail",
-    "gemv_all": "every row as the dense tail of gemv_mn (the dense model through WIDE's kernel)",
+    "gemv": "the live groups' weight rows only (gemm_mn's decode GEMV, its live-group list); K and V as its dense tail",
+    "gemv_all": "every row as the dense tail of gemm_mn's decode GEMV (the dense model through WIDE's kernel)",
     "tiles": "Q's live (group, token-tile) items only (gemm_mn, sorted tiles); K and V in one cuBLAS GEMM",
     "cublas": "one cuBLAS GEMM (nothing routed here)",
     "cublas_every_head": "one cuBLAS GEMM for every head's Q, K, V (attention reads the live groups' Q only)",
@@ -63,8 +67,8 @@ KINDS = {
     "prefill_every": "attn_prefill with every head on (a chunk after the first)",
     "sdpa_causal": "SDPA, causal (cuDNN / flash): the dense baseline at its best",
     "sdpa_rows": "SDPA with the model's causal-mask rows for a chunk after the first",
-    "gemv_fused": "gate+up over the live channel groups only, silu(gate)*up in the epilogue (gemv_mn)",
-    "gemv_fused_all": "gate+up, every group as gemv_mn's dense tail, silu(gate)*up in the epilogue",
+    "gemv_fused": "gate+up over the live channel groups only, silu(gate)*up in the epilogue (gemm_mn's decode GEMV)",
+    "gemv_fused_all": "gate+up, every group as the dense tail of gemm_mn's decode GEMV, silu(gate)*up in the epilogue",
     "tiles_fused": "gate+up over the live (group, token-tile) items, silu(gate)*up in the epilogue (gemm_mn)",
     "gemm_k": "the live groups' weight columns only (gemm_k), residual add in the epilogue",
     "gemm_k_all": "gemm_k with every group live (the dense model through WIDE's kernel), residual fused",
@@ -96,7 +100,7 @@ class Policy:
     router_max_tokens: int = 64            # longer steps run the router module itself (two fp32 GEMMs)
     # Steps of at most this many tokens run their unrouted linears (the dense model's, say) through WIDE's GEMV and
     # gemm_k with every group live, as fp8 weights always do; 0 = cuBLAS. On the H200 that is the faster dense
-    # decode at batch 1 (bench_e2e.py times both: results/e2e_h200.md, 'cublas linears').
+    # decode at batch 1 (bench/e2e.py times both: results/e2e_h200.md, 'cublas linears').
     dense_gemv_max_tokens: int = 1
 
     def plan(self, shape, routers):
@@ -117,23 +121,23 @@ class Policy:
         """One layer's ops: {op name: Op}, in LAYER_OPS order (ops that do not run are absent)."""
         M, decode = shape.tokens, shape.decode
         # fp8 codes are read by the decode kernels only; a prefill dequantizes them (then as bf16)
-        read_fp8 = shape.fp8 and M <= SMALL_M
+        read_fp8 = shape.fp8 and M <= GEMV_MAX_TOKENS
         # an op without a router runs WIDE's kernel with every group live (fp8 codes, or the policy's choice)
         all_live = read_fp8 or M <= self.dense_gemv_max_tokens
         w = "fp8" if read_fp8 else (f"fp8 -> {shape.dtype}" if shape.fp8 else shape.dtype)
         sparse_mn = M <= self.sparse_decode_max_tokens or M >= self.sparse_prefill_min_tokens
         sparse_k = M <= self.sparse_decode_max_tokens
         # Under the vote rule the rows share one FFN mask: the GEMV and gemm_k skip what the vote drops, up to
-        # SMALL_M rows (a per-row mask's union would cover nearly every group there)
-        ffn_mn = sparse_mn or (shape.ffn_vote and M <= SMALL_M)
-        ffn_k = sparse_k or (shape.ffn_vote and M <= SMALL_M)
-        q_tiles = attn_router is not None and sparse_mn and M > SMALL_M and not read_fp8
+        # GEMV_MAX_TOKENS rows (a per-row mask's union would cover nearly every group there)
+        ffn_mn = sparse_mn or (shape.ffn_vote and M <= GEMV_MAX_TOKENS)
+        ffn_k = sparse_k or (shape.ffn_vote and M <= GEMV_MAX_TOKENS)
+        q_tiles = attn_router is not None and sparse_mn and M > GEMV_MAX_TOKENS and not read_fp8
         ops = {"attn_norm": self.norm_op(M, attn_router)}
         if attn_router is not None and (not decode or q_tiles):  # prefill attention and Q's tiles read it
             ops["attn_layout"] = Op("layout", "Triton", kernels=LAYOUT)
         if all_live and attn_router is None:
             ops["qkv"] = Op("gemv_all", "Triton", w, ("gemv_mn_kernel",))
-        elif attn_router is not None and (read_fp8 or (sparse_mn and M <= SMALL_M)):
+        elif attn_router is not None and (read_fp8 or (sparse_mn and M <= GEMV_MAX_TOKENS)):
             ops["qkv"] = Op("gemv", "Triton", w, ("gemv_mn_kernel",))
         elif q_tiles:
             ops["qkv"] = Op("tiles", "Triton + cuBLAS", w, ("gemm_mn_kernel",))
@@ -146,7 +150,7 @@ class Policy:
         if read_fp8 or (all_live and ffn_router is None):
             ops["gate_up"] = Op("gemv_fused" if ffn_router is not None else "gemv_fused_all", "Triton", w,
                                 ("gemv_mn_kernel",))
-        elif ffn_router is not None and ffn_mn and M <= SMALL_M:
+        elif ffn_router is not None and ffn_mn and M <= GEMV_MAX_TOKENS:
             ops["gate_up"] = Op("gemv_fused", "Triton", w, ("gemv_mn_kernel",))
         elif ffn_router is not None and sparse_mn:
             ops["ffn_layout"] = Op("layout", "Triton", kernels=LAYOUT)

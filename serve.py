@@ -1,8 +1,8 @@
 """
 Serving: many requests at once through one static KV cache (continuous batching).
 
-Whether WIDE keeps its gains there is measured by bench_serve.py (Poisson arrivals, dense vs WIDE ->
-results/serving_h200_{mixed,8k,long}.*); why weight skipping fades as the batch grows, by mask_union.py.
+Whether WIDE keeps its gains there is measured by bench/serving.py (Poisson arrivals, dense vs WIDE ->
+results/serving_h200_{mixed,8k,long}.*); why weight skipping fades as the batch grows, by research/mask_union.py.
 
 The loop (Server): the cache has `n_slots` rows of `slot_len` positions, set up once. Requests wait in
 a queue; each takes the lowest free slot, is prefilled into it, then decodes one token per step next to
@@ -20,7 +20,7 @@ of different lengths). A finished request frees its slot at once and the next on
 - A decode step runs the first n rows of the cache, n the smallest bucket (BUCKETS) that covers the
   highest running slot; rows in there that are not decoding run a dummy token (a free slot at position
   0, a slot between prefill chunks at slot_len - 1, a position no request that fits ever reads). On a
-  GPU each bucket's step is a CUDA graph (generate.CUDAGraphDecoder) over views of those rows, captured
+  GPU each bucket's step is a CUDA graph (engine.CUDAGraphDecoder) over views of those rows, captured
   once. The dummy rows are real work: for WIDE they also widen the batch's mask union.
 - A request whose prompt + max_new_tokens exceed slot_len - 1 is rejected with a message; the others run.
 
@@ -52,7 +52,6 @@ from dataclasses import dataclass, field
 import torch
 
 import engine
-from generate import CUDAGraphDecoder
 from model import KVCache
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # decode batch sizes with their own CUDA graph
@@ -253,7 +252,7 @@ class Server:
         if self.cuda_graph:
             if n not in self.graphs:
                 self.use_rows(slice(0, n))
-                self.graphs[n] = CUDAGraphDecoder(self.forward, token, pos)
+                self.graphs[n] = engine.CUDAGraphDecoder(self.forward, token, pos)
             logits = self.graphs[n](token, pos)
         else:
             self.use_rows(slice(0, n))
@@ -286,7 +285,7 @@ class Server:
         for n in self.buckets if self.cuda_graph else []:
             self.use_rows(slice(0, n))
             z = torch.zeros(n, 1, dtype=torch.long, device=self.device)
-            self.graphs[n] = CUDAGraphDecoder(self.forward, z, z.view(-1).clone())
+            self.graphs[n] = engine.CUDAGraphDecoder(self.forward, z, z.view(-1).clone())
 
     def run(self, requests, now=None):
         """Serve requests (arrival: seconds after the start) until each has ended (done, rejected, stopped).

@@ -285,7 +285,7 @@ def test_shared_rows_use_full_batches_and_share_fewer_groups_as_k_grows(tmp_path
 
 
 def test_serving_rows_score_each_profile_per_token_and_under_the_batch_rule(tmp_path):
-    # bench_serve.py's profiles: the routers trained at 0.5 and at a0.75/f0.25, per token and with the FFN
+    # bench/serving.py's profiles: the routers trained at 0.5 and at a0.75/f0.25, per token and with the FFN
     # run whole (the batch rule at decode); a profile not trained gives no rows.
     import types
     import data

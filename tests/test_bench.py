@@ -1,8 +1,9 @@
 """The benchmark scripts keep working: each --smoke mode runs the whole benchmark code path (every
 correctness check, row builder and results writer) on tiny fp32 shapes in the Triton interpreter, and
 the JSON it writes has the fields that results/ promises. The timings of a smoke run mean nothing;
-speed is measured on the GPU with `python bench_kernels.py` and `python bench_e2e.py`, never here.
+speed is measured on the GPU with `python -m bench.ops` and `python -m bench.e2e`, never here.
 Bad flags end in one line before the device check (in-process: they stop before any work)."""
+import importlib
 import json
 import os
 import subprocess
@@ -11,22 +12,23 @@ import sys
 import pytest
 import torch
 
-import bench_common
+import kernels_base
+from bench import common
 from conftest import assert_one_line_error, stopped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPARSITIES = {0.25, 0.5, 0.75}
 
 
-def start_smoke(tmp_path, script, *args):
-    """Start `script --smoke` in a fresh interpreter; finish_smoke waits for it. The smoke runs are the
+def start_smoke(tmp_path, module, *args):
+    """Start `python -m module --smoke` in a fresh interpreter; finish_smoke waits for it. The smoke runs are the
     CPU test setup (the newest Triton's interpreter); on a GPU machine the benchmark itself is the real run."""
     if torch.cuda.is_available():
         pytest.skip("--smoke runs the kernels in the Triton interpreter (the CPU test setup); on a GPU the "
                     "benchmark itself is the real run")
     out = str(tmp_path / "bench")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.Popen([sys.executable, script, *args, "--smoke", "--out", out], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", module, *args, "--smoke", "--out", out], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, out
 
@@ -44,15 +46,15 @@ def finish_smoke(started):
         return json.load(f), g.read()
 
 
-def smoke(tmp_path, script, *args):
-    return finish_smoke(start_smoke(tmp_path, script, *args))
+def smoke(tmp_path, module, *args):
+    return finish_smoke(start_smoke(tmp_path, module, *args))
 
 
 @pytest.fixture(scope="module")
 def both_runs(tmp_path_factory):
     # The two whole smoke runs are single-threaded interpreters: side by side they take the time of one.
-    runs = (start_smoke(tmp_path_factory.mktemp("kernels"), "bench_kernels.py"),
-            start_smoke(tmp_path_factory.mktemp("e2e"), "bench_e2e.py"))
+    runs = (start_smoke(tmp_path_factory.mktemp("kernels"), "bench.ops"),
+            start_smoke(tmp_path_factory.mktemp("e2e"), "bench.e2e"))
     yield runs
     for proc, _ in runs:  # a run no selected test waited for must not outlive the module
         if proc.poll() is None:
@@ -70,15 +72,15 @@ def e2e_run(both_runs):
     return finish_smoke(both_runs[1])
 
 
-def assert_meta(meta, script):
+def assert_meta(meta, module):
     for key in ("gpu", "torch", "triton", "date", "command"):
         assert meta.get(key), f"results must record {key}"
-    assert meta["command"].startswith(f"python {script}") and meta["smoke"] is True
+    assert meta["command"].startswith(f"python -m {module}") and meta["smoke"] is True
 
 
 def test_every_kernel_row_is_checked_at_its_own_sparsity(kernel_run):
     data, _ = kernel_run
-    assert_meta(data["meta"], "bench_kernels.py")
+    assert_meta(data["meta"], "bench.ops")
     by_case = {}
     for r in data["rows"]:
         by_case.setdefault((r["op"], r["tokens"]), set()).add(r["sparsity"])
@@ -127,23 +129,23 @@ def test_dense_side_is_fused_gate_up_with_and_without_swiglu(kernel_run):
 
 def test_kernel_markdown_has_the_table_and_every_target(kernel_run):
     _, md = kernel_run
-    import bench_kernels
+    from bench import ops
     assert "| op | tokens |" in md and "CUDA graph" in md and "do_bench" in md
-    for text, *_ in bench_kernels.TARGETS:
+    for text, *_ in ops.TARGETS:
         assert f"| {text} |" in md
 
 
 def test_tune_times_each_config_passed_to_the_op(tmp_path):
-    data, md = smoke(tmp_path, "bench_tune.py", "--only", "attn_decode")
+    data, md = smoke(tmp_path, "bench.tune", "--only", "attn_decode")
     assert list(data["results"]) == ["attn_decode"]
     variants = data["results"]["attn_decode"]["variants"]
     assert len(variants) >= 2 and all("failed" not in v and v["ms"] > 0 and v["rel_err"] <= 1e-2 for v in variants)
     assert variants[0]["config"] == data["results"]["attn_decode"]["current"]  # today's CONFIGS entry first
-    assert "| attn_decode |" in md and data["meta"]["command"].startswith("python bench_tune.py")
+    assert "| attn_decode |" in md and data["meta"]["command"].startswith("python -m bench.tune")
 
 
 def test_tune_sweeps_the_fp8_keys_on_fp8_weights_with_an_fma_variant(tmp_path):
-    data, _ = smoke(tmp_path, "bench_tune.py", "--only", "fp8")
+    data, _ = smoke(tmp_path, "bench.tune", "--only", "fp8")
     assert set(data["results"]) == {"gemv_mn_1_fused_fp8", "gemv_mn_1_fp8", "gemm_k_small_long_k_fp8", "gemm_k_small_fp8"}
     for key, r in data["results"].items():
         assert all("failed" not in v and v["rel_err"] <= 1e-2 for v in r["variants"]), key  # checked on fp8 codes
@@ -152,7 +154,7 @@ def test_tune_sweeps_the_fp8_keys_on_fp8_weights_with_an_fma_variant(tmp_path):
 
 def test_e2e_rows_carry_dense_bandwidth_and_the_byte_limit(e2e_run):
     data, md = e2e_run
-    assert_meta(data, "bench_e2e.py")
+    assert_meta(data, "bench.e2e")
     rows = data["rows"]
     assert {r["phase"] for r in rows} == {"prefill", "decode", "decode: dense engine vs torch.compile",
                                           "decode (small model)"}
@@ -179,15 +181,15 @@ def test_e2e_compares_the_dense_engine_with_torch_compile_once(e2e_run):
 
 def test_e2e_markdown_lists_every_target_with_a_verdict(e2e_run):
     _, md = e2e_run
-    import bench_e2e
-    for text, *_ in bench_e2e.TARGETS:
+    from bench import e2e
+    for text, *_ in e2e.TARGETS:
         line = next(l for l in md.splitlines() if l.startswith(f"| {text} |"))
         assert line.endswith(("| met |", "| missed |", "| |"))
 
 
 def test_smoke_never_writes_under_results():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "bench_e2e.py", "--smoke", "--out", "results/e2e_smoke"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "bench.e2e", "--smoke", "--out", "results/e2e_smoke"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "results/" in r.stderr
@@ -201,7 +203,7 @@ def test_e2e_append_replaces_only_the_parts_it_runs(tmp_path, e2e_run):
     first, _ = e2e_run
     with open(tmp_path / "bench.json", "w") as f:  # smoke() writes and reads tmp_path/bench.*
         json.dump(first, f)
-    second, md = smoke(tmp_path, "bench_e2e.py", "--only", "prefill", "--append")
+    second, md = smoke(tmp_path, "bench.e2e", "--only", "prefill", "--append")
     assert sorted(r["phase"] for r in second["rows"]) == sorted(r["phase"] for r in first["rows"])
     assert any(r["phase"] == "prefill" for r in first["rows"])
     assert [r for r in second["rows"] if r["phase"] != "prefill"] == [r for r in first["rows"] if r["phase"] != "prefill"]
@@ -213,7 +215,7 @@ def test_e2e_append_replaces_only_the_parts_it_runs(tmp_path, e2e_run):
 def test_e2e_append_onto_a_file_that_is_not_its_results_is_one_line(tmp_path):
     (tmp_path / "bench.json").write_text("{not json")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "bench_e2e.py", "--smoke", "--only", "fp8", "--append", "--out",
+    r = subprocess.run([sys.executable, "-m", "bench.e2e", "--smoke", "--only", "fp8", "--append", "--out",
                         str(tmp_path / "bench")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "--append" in r.stderr
@@ -228,14 +230,14 @@ def test_e2e_append_onto_a_file_that_is_not_its_results_is_one_line(tmp_path):
     (("--only", ","), ("--only",)),
 ])
 def test_e2e_refuses_a_bad_flag_in_one_line_before_the_device_check(capsys, monkeypatch, flags, words):
-    import bench_e2e
-    monkeypatch.setattr(bench_common, "prepare", lambda *a: pytest.fail("the flags were not checked first"))
-    assert_one_line_error(stopped(capsys, bench_e2e.main, "--smoke", *flags), *words)
+    from bench import e2e
+    monkeypatch.setattr(common, "prepare", lambda *a: pytest.fail("the flags were not checked first"))
+    assert_one_line_error(stopped(capsys, e2e.main, "--smoke", *flags), *words)
 
 
-@pytest.mark.parametrize("script", ["bench_kernels", "bench_tune", "bench_e2e", "bench_serve"])
-def test_smoke_without_the_interpreter_names_the_command_to_run(capsys, monkeypatch, script):
+@pytest.mark.parametrize("module", ["bench.ops", "bench.tune", "bench.e2e", "bench.serving"])
+def test_smoke_without_the_interpreter_names_the_command_to_run(capsys, monkeypatch, module):
     # (as on a GPU machine, where the tests run without TRITON_INTERPRET)
-    monkeypatch.setattr(bench_common.kernels, "INTERPRET", False)
-    main = __import__(script).main
-    assert_one_line_error(stopped(capsys, main, "--smoke"), f"TRITON_INTERPRET=1 python {script}.py --smoke")
+    monkeypatch.setattr(kernels_base, "INTERPRET", False)
+    main = importlib.import_module(module).main
+    assert_one_line_error(stopped(capsys, main, "--smoke"), f"TRITON_INTERPRET=1 python -m {module} --smoke")

@@ -1,10 +1,10 @@
-"""bench_profile.py: a decode step's kernels assigned to the ops of the engine's plan, and the bytes each
-op must read. The profile itself needs a GPU (`python bench_e2e.py --only profile`); what it does with the
+"""bench/step_profile.py: a decode step's kernels assigned to the ops of the engine's plan, and the bytes each
+op must read. The profile itself needs a GPU (`python -m bench.e2e --only profile`); what it does with the
 kernels it sees is checked here on synthetic kernel lists."""
 import pytest
 import torch
 
-import bench_profile as bp
+from bench import step_profile as bp
 import policy
 from model import ModelConfig, Transformer
 

@@ -1,4 +1,4 @@
-"""The serving benchmark's own rules (bench_serve.py): what its plot and table show, which workload the
+"""The serving benchmark's own rules (bench/serving.py): what its plot and table show, which workload the
 flags resolve to, and the flags it refuses. The serving loop itself is specified in test_serve.py.
 
 The plot and table are built from synthetic records (no model runs), so these tests are fast; one
@@ -9,9 +9,8 @@ import math
 
 import pytest
 
-import bench_common
-import bench_serve
-import kernels
+import kernels_base
+from bench import common, serving
 from conftest import assert_one_line_error, stopped
 from model import ModelConfig
 
@@ -30,7 +29,7 @@ def record(rates, quality=()):
     speed = {"dense": 1000.0, "WIDE 50/50": 1200.0, "WIDE 75/25": 1300.0}
     rows = [row(r, name, speed[name] * (1 + i), tpot_p99=10.0 + i) for name, _, _ in PROFILES
             for i, r in enumerate(rates)]
-    return dict(gpu="NVIDIA H200", torch="2", triton="3", date="today", command="python bench_serve.py", smoke=False,
+    return dict(gpu="NVIDIA H200", torch="2", triton="3", date="today", command="python -m bench.serving", smoke=False,
                 rows=rows, model="llama-3.1-8b shape", workload="mixed: 64 requests", engine="engine.Engine",
                 workload_name="mixed", slots=64, slot_len=8705, profiles=PROFILES, ffn_router_max_decode_rows=4,
                 quality_file="results/quality_serving.json", quality=list(quality))
@@ -38,7 +37,7 @@ def record(rates, quality=()):
 
 def plotted(rec):
     """Per panel, each Line2D as (label, xs, ys, joined): joined when a line is drawn between its points."""
-    fig = bench_serve.serving_figure(rec)
+    fig = serving.serving_figure(rec)
     panels = [[(l.get_label(), list(l.get_xdata()), list(l.get_ydata()), l.get_linestyle() not in ("None", "none", ""))
                for l in ax.get_lines()] for ax in fig.axes]
     ticks = [[t.get_text() for t in ax.get_xticklabels()] for ax in fig.axes]
@@ -81,13 +80,13 @@ def test_plot_of_finite_rates_only_has_lines_and_no_saturated_tick():
 
 
 def test_plot_file_is_written(tmp_path):
-    bench_serve.plot_serving(record([2.0, INF]), str(tmp_path / "serving.png"))
+    serving.plot_serving(record([2.0, INF]), str(tmp_path / "serving.png"))
     assert (tmp_path / "serving.png").stat().st_size > 1000
 
 
 # ----------------------------------------------------------------------------------- the table
 def table(rec):
-    lines = bench_serve.serving_markdown(rec).splitlines()
+    lines = serving.serving_markdown(rec).splitlines()
     head = next(l for l in lines if l.startswith("| rate"))
     cols = [c.strip() for c in head.strip("|").split("|")]
     body = [dict(zip(cols, (c.strip() for c in l.strip("|").split("|")))) for l in lines if l.startswith("| ")
@@ -102,7 +101,7 @@ def test_table_has_every_profile_at_every_rate_with_its_ratio_latencies_and_phas
               "prefill ms per 1k tokens", "decode ms per step", "ppl / dense"):
         assert c in cols, c
     assert len(body) == 3 * len(rates)
-    labels = [bench_serve.rate_label(r) for r in rates]
+    labels = [serving.rate_label(r) for r in rates]
     assert [b["rate (req/s)"] for b in body] == [l for l in labels for _ in range(3)], "grouped by rate"
     assert [b["vs dense"] for b in body[:3]] == ["1.00x", "1.20x", "1.30x"]
     assert all(b["concurrency max / mean"] == "64 / 30.5" and b["decode ms per step"] == "8.64" for b in body)
@@ -125,18 +124,18 @@ def test_quality_file_rows_are_matched_to_the_run_profiles_on_three_decimals(tmp
             {"attn": 0.7504, "ffn": 0.25, "ppl_vs_dense": 1.3}, {"attn": 0.75, "ffn": 0.25}]  # last: no ratio
     path.write_text(json.dumps({"rows": rows}))
     profiles = [tuple(p) for p in PROFILES]
-    assert bench_serve.load_quality(str(path), profiles) == [rows[0], rows[2]]
+    assert serving.load_quality(str(path), profiles) == [rows[0], rows[2]]
     path.write_text(json.dumps(rows))  # a bare list of rows reads the same
-    assert bench_serve.load_quality(str(path), profiles) == [rows[0], rows[2]]
-    assert bench_serve.load_quality(str(tmp_path / "absent.json"), profiles) == []
+    assert serving.load_quality(str(path), profiles) == [rows[0], rows[2]]
+    assert serving.load_quality(str(tmp_path / "absent.json"), profiles) == []
 
 
 # ----------------------------------------------------------------------------------- the workloads
 def resolved(monkeypatch, *flags):
     """(workload, args) that main would run with, on any machine: the device check and the run stubbed."""
-    monkeypatch.setattr(bench_common, "need_device", lambda *a: None)
-    monkeypatch.setattr(bench_serve, "run_bench", lambda w, args, argv: (w, args))
-    return bench_serve.main(list(flags))
+    monkeypatch.setattr(common, "need_device", lambda *a: None)
+    monkeypatch.setattr(serving, "run_bench", lambda w, args, argv: (w, args))
+    return serving.main(list(flags))
 
 
 @pytest.mark.parametrize("flags, prompt, slots, requests, rates, out", [
@@ -164,12 +163,12 @@ def test_long_workload_cache_fits_the_h200_next_to_the_8b_weights():
     cfg = ModelConfig.from_name("llama-3.1-8b")
     per_position = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
     assert per_position == 128 * 1024
-    for name in bench_serve.WORKLOADS:
-        w = bench_serve.Workload(name=name, **bench_serve.WORKLOADS[name])
+    for name in serving.WORKLOADS:
+        w = serving.Workload(name=name, **serving.WORKLOADS[name])
         slot_len = w.prompt[1] + w.output[1] + 1
-        assert bench_serve.cache_bytes(cfg, w.n_slots, slot_len, 2) + 16e9 < 0.8 * 141e9, name
+        assert serving.cache_bytes(cfg, w.n_slots, slot_len, 2) + 16e9 < 0.8 * 141e9, name
     # and 64 slots of the long workload's length would not: that is why it has 16
-    assert bench_serve.cache_bytes(cfg, 64, 32768 + 512 + 1, 2) > 141e9
+    assert serving.cache_bytes(cfg, 64, 32768 + 512 + 1, 2) > 141e9
 
 
 # ----------------------------------------------------------------------------------- refused flags
@@ -187,16 +186,16 @@ def test_long_workload_cache_fits_the_h200_next_to_the_8b_weights():
     (("--prompt", "65536,65536", "--output", "65536,65536"), ("--prompt/--output", "131072")),  # no room for + 1
 ])
 def test_bad_flags_are_refused_in_one_line_before_the_device_check(capsys, monkeypatch, flags, words):
-    monkeypatch.setattr(bench_common, "prepare", lambda *a: pytest.fail("the flags were not checked first"))
+    monkeypatch.setattr(common, "prepare", lambda *a: pytest.fail("the flags were not checked first"))
     for smoke in ((), ("--smoke",)):
-        assert_one_line_error(stopped(capsys, bench_serve.main, *smoke, *flags), *words)
+        assert_one_line_error(stopped(capsys, serving.main, *smoke, *flags), *words)
 
 
 # ----------------------------------------------------------------------------------- a run
-@pytest.mark.skipif(not kernels.INTERPRET, reason="--smoke runs the kernels in the Triton interpreter (the CPU test "
-                    "setup); on a GPU `python bench_serve.py` is the real run")
+@pytest.mark.skipif(not kernels_base.INTERPRET, reason="--smoke runs the kernels in the Triton interpreter (the CPU test "
+                    "setup); on a GPU `python -m bench.serving` is the real run")
 def test_smoke_run_serves_through_the_slots_asked_for_and_records_them(tmp_path):
-    rec = bench_serve.main(["--smoke", "--slots", "1", "--rates", "inf", "--output", "2,2",
+    rec = serving.main(["--smoke", "--slots", "1", "--rates", "inf", "--output", "2,2",
                             "--profiles", "0.5/0.5", "--out", str(tmp_path / "serving")])
     assert [r["profile"] for r in rec["rows"]] == ["dense", "WIDE 50/50"]
     seen = [(r["concurrency_max"], r["rejected"]) for r in rec["rows"]]
@@ -214,10 +213,10 @@ def test_redraw_rewrites_the_tables_from_the_json_with_todays_quality_file(tmp_p
     quality = tmp_path / "quality_serving.json"
     quality.write_text(json.dumps([{"profile": "50/50", "attn": 0.5, "ffn": 0.5, "ffn_rule": "per token",
                                     "ppl_vs_dense": 1.155}]))
-    monkeypatch.setattr(bench_serve, "QUALITY", str(quality))
-    bench_serve.main(["--redraw", str(path)])
+    monkeypatch.setattr(serving, "QUALITY", str(quality))
+    serving.main(["--redraw", str(path)])
     md = (tmp_path / "serving.md").read_text()
     assert "1.155 (per token)" in md and (tmp_path / "serving.png").exists()
     assert json.loads(path.read_text())["rows"] == rec["rows"]  # the measurements themselves untouched
     with pytest.raises(SystemExit):
-        bench_serve.main(["--redraw", str(tmp_path / "absent.json")])
+        serving.main(["--redraw", str(tmp_path / "absent.json")])

@@ -6,7 +6,7 @@ backend "triton" (engine.py: the kernels skip them). On CPU the kernels run in t
 gemm_k, prefill and decode attention): routing masks must be identical, logits equal to fp32
 rounding, greedy tokens identical for 32 new tokens at batch 1 and for a batch of prompts of
 different lengths. With a GPU the same tests run there (fp32), and the GPU tests add CUDA graphs and
-bf16; they skip without CUDA. Speed lives in `python bench_e2e.py`, never here.
+bf16; they skip without CUDA. Speed lives in `python -m bench.e2e`, never here.
 """
 import copy
 import dataclasses
@@ -17,16 +17,17 @@ import torch
 import engine
 import wide
 from conftest import assert_close as _assert_close
-from generate import CUDAGraphDecoder, generate
+from generate import generate
 from model import ModelConfig, Transformer
+from policy import Policy
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # Every pruned linear through its Triton kernel, whatever the token count (the default policy hands
 # mid-sized steps to cuBLAS on the masked input; that path is tested too).
-DEFAULT = engine.Policy()
-ALL_SPARSE = engine.Policy(sparse_decode_max_tokens=10 ** 6, sparse_prefill_min_tokens=1)
-ALL_DENSE_LINEARS = engine.Policy(sparse_decode_max_tokens=0, sparse_prefill_min_tokens=10 ** 9)
+DEFAULT = Policy()
+ALL_SPARSE = Policy(sparse_decode_max_tokens=10 ** 6, sparse_prefill_min_tokens=1)
+ALL_DENSE_LINEARS = Policy(sparse_decode_max_tokens=0, sparse_prefill_min_tokens=10 ** 9)
 # The kernels that skip work in a generation with the default policy (a short prompt, then one-token
 # steps: gemm_mn runs as its GEMV kernel); a test of the Triton path that did not launch them proves nothing.
 SKIPPING = ("layout_kernel", "gemv_mn_kernel", "gemm_k_kernel", "attn_prefill_kernel", "attn_decode_kernel")
@@ -317,7 +318,7 @@ def test_gpu_pdl_changes_no_bit_of_a_graphed_decode(routers):
                       max_seq_len=600)
     m = wide_model("cuda", torch.bfloat16, seed=3, routers=routers, std=0.05, cfg=cfg, ffn_group_size=128)
     idx = torch.randint(0, 512, (1, 500), generator=torch.Generator().manual_seed(4)).cuda()
-    policy = engine.Policy()
+    policy = Policy()
 
     def run():  # the prompt, then 40 graphed decode steps (greedy): every step's logits
         e = engine.Engine(m, policy)
@@ -325,9 +326,9 @@ def test_gpu_pdl_changes_no_bit_of_a_graphed_decode(routers):
         with torch.no_grad():
             token = e(idx, input_pos=torch.arange(500, device="cuda"))[:, -1:].argmax(-1)
             pos = torch.tensor([500], device="cuda")
-            step, out = CUDAGraphDecoder(e, token, pos), []
+            graph, out = engine.CUDAGraphDecoder(e, token, pos), []
             for _ in range(40):
-                out.append(step(token, pos).clone())
+                out.append(graph(token, pos).clone())
                 token, pos = out[-1].argmax(-1, keepdim=True), pos + 1
         e.clear_caches()
         return torch.stack(out)

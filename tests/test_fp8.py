@@ -4,7 +4,7 @@ bytes of the live groups only, and their twins are the bf16 references on the de
 On CPU the kernels run in the Triton interpreter (fp32 activations), so the fp8 kernels must equal
 their twins to fp32 rounding, pruned outputs exactly zero. End to end, Engine(weights="fp8") must route
 and generate exactly as the torch model whose prunable weights were replaced by their fp8 values.
-Quality (perplexity) is eval.py's; speed is bench_e2e.py's (`--only fp8`).
+Quality (perplexity) is eval.py's; speed is bench/e2e.py's (`--only fp8`).
 """
 import copy
 
@@ -13,8 +13,10 @@ import torch
 
 import engine
 import kernels
+import kernels_base
 from conftest import assert_close as _assert_close
 from generate import generate
+from policy import GEMV_MAX_TOKENS
 from test_e2e import DEV, assert_same_masks, wide_model
 
 
@@ -114,15 +116,15 @@ def test_fp8_gemm_k_matches_the_dequantized_twin_with_the_residual(launches, M, 
     res = torch.randn(M, N, generator=gen).to(DEV)
     mask = mask_of(M, G, p_on, gen)
     a_garbage = torch.where(mask.repeat_interleave(gs, 1), a, torch.full_like(a, float("nan")))
-    cfg = {"SPLIT": split, "FMA": fma} if M <= kernels.SMALL_M else None  # FMA: one token, a one-row tile
+    cfg = {"SPLIT": split, "FMA": fma} if M <= GEMV_MAX_TOKENS else None  # FMA: one token, a one-row tile
     tickets = torch.zeros(64, dtype=torch.int32, device=DEV)
     out = kernels.gemm_k(a_garbage, w, mask, gs, residual=res, tickets=tickets, w_scale=s, config=cfg)
     assert_close(out, kernels.gemm_k_ref(a, w, mask, gs, residual=res, w_scale=s))
     assert torch.count_nonzero(tickets) == 0, "the split leaves its tickets at zero"
     assert launches.count("gemm_k_kernel") == 1
     (consts,) = launches.constants["gemm_k_kernel"]  # one token with FMA: a one-row tile, no tl.dot
-    small = ("gemm_k_small_long_k" if G * gs >= kernels.LONG_K else "gemm_k_small") + "_fp8"  # as gemm_k picks
-    assert consts["BM"] == (1 if fma and M == 1 else kernels.CONFIGS[small if M <= kernels.SMALL_M else "gemm_k"]["BM"])
+    small = ("gemm_k_small_long_k" if G * gs >= kernels_base.LONG_K else "gemm_k_small") + "_fp8"  # as gemm_k picks
+    assert consts["BM"] == (1 if fma and M == 1 else kernels_base.CONFIGS[small if M <= GEMV_MAX_TOKENS else "gemm_k"]["BM"])
 
 
 # ---------------------------------------------------------------------------------- the engine

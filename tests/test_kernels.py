@@ -3,7 +3,7 @@
 On CPU the kernels run in the Triton interpreter (conftest sets TRITON_INTERPRET=1): fp32, tiny
 shapes, results equal to fp32 rounding. Under the interpreter every buffer the kernels allocate
 starts as NaN (or -1), so a slot a kernel forgot to write fails the test. GPU tests (bf16, rel err
-<= 1e-2) skip without CUDA. Speed is measured in bench_kernels.py, never here.
+<= 1e-2) skip without CUDA. Speed is measured in bench/ops.py, never here.
 """
 import os
 import random
@@ -15,6 +15,8 @@ import torch
 
 import kernels
 import kernels_attention
+import kernels_base
+import kernels_layout
 from conftest import assert_close as _assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,7 +63,7 @@ def check_layout(lay, mask, block_m):
 @pytest.mark.parametrize("shape", [(1, 3), (37, 5), (2, 19, 4)])
 def test_layout_permutation_is_stable_and_counts_exact(shape, p_on):
     mask = make_mask(shape, p_on, torch.Generator().manual_seed(1))
-    for lay in (kernels.layout(mask, block_m=16), kernels.layout_ref(mask, 16)):
+    for lay in (kernels_layout.layout(mask, block_m=16), kernels_layout.layout_ref(mask, 16)):
         check_layout(lay, mask, 16)
 
 
@@ -70,7 +72,7 @@ def run_gemm_mn(M, K, G, gs, p_on, fused, gen, as_layout=False):
     x, w = randn(M, K, gen=gen), randn(G * gs, K, gen=gen)
     w_up = randn(G * gs, K, gen=gen) if fused else None
     mask = make_mask((M, G), p_on, gen)
-    arg = kernels.layout(mask) if as_layout else mask
+    arg = kernels_layout.layout(mask) if as_layout else mask
     out = kernels.gemm_mn(x, w, arg, gs, w_up=w_up)
     ref = kernels.gemm_mn_ref(x, w, mask, gs, w_up=w_up)
     assert_close(out, ref)
@@ -82,7 +84,7 @@ def run_gemm_k(M, N, G, gs, p_on, method, gen, as_layout=False):
     a, w = randn(M, G * gs, gen=gen), randn(N, G * gs, gen=gen)
     mask = make_mask((M, G), p_on, gen)
     a_garbage = a.masked_fill(~mask.repeat_interleave(gs, 1), float("nan"))  # pruned slots unread
-    arg = kernels.layout(mask) if as_layout else mask
+    arg = kernels_layout.layout(mask) if as_layout else mask
     out = kernels.gemm_k(a_garbage, w, arg, gs, method=method)
     assert_close(out, kernels.gemm_k_ref(a, w, mask, gs))
 
@@ -112,7 +114,7 @@ def test_gemm_k_all_groups_on_and_off(p_on):
 
 @pytest.mark.parametrize("M", [1, 3, 16])
 def test_decode_sized_gemms_take_the_gemv_paths(launches, M):
-    # Up to SMALL_M tokens: gemm_mn is the persistent GEMV (one token: FMA path; more: a 16-row tile),
+    # Up to GEMV_MAX_TOKENS tokens: gemm_mn is the persistent GEMV (one token: FMA path; more: a 16-row tile),
     # gemm_k the no-layout tile kernel; both read the mask directly, no layout is built.
     gen = torch.Generator().manual_seed(10 + M)
     run_gemm_mn(M, 48, 3, 16, 0.5, True, gen)
@@ -141,7 +143,7 @@ def test_decode_gemm_k_with_a_long_reduction_splits_the_live_groups(launches):
     gen = torch.Generator().manual_seed(11)
     run_gemm_k(1, 16, 64, 128, 0.5, "tile", gen)
     (grid,) = launches.grids["gemm_k_kernel"]
-    assert grid[1] == kernels.CONFIGS["gemm_k_small_long_k"]["SPLIT"] > 1, grid
+    assert grid[1] == kernels_base.CONFIGS["gemm_k_small_long_k"]["SPLIT"] > 1, grid
 
 
 @pytest.mark.parametrize("M, K", [(1, 24 * 16), (3, 64 * 16), (21, 24 * 16)])  # split, split, plain
@@ -179,9 +181,9 @@ def test_one_layout_serves_gate_up_then_down():
     M, D, G, gs = 35, 32, 4, 16
     x, wg, wu, wd = randn(M, D, gen=gen), randn(G * gs, D, gen=gen), randn(G * gs, D, gen=gen), randn(D, G * gs, gen=gen)
     mask = make_mask((M, G), 0.5, gen)
-    lay = kernels.layout(mask)
+    lay = kernels_layout.layout(mask)
     h = kernels.gemm_mn(x, wg, lay, gs, w_up=wu, zero_pruned=False)
-    if kernels.INTERPRET:  # buffers start poisoned only under the interpreter
+    if kernels_base.INTERPRET:  # buffers start poisoned only under the interpreter
         assert torch.isnan(h[~mask.repeat_interleave(gs, 1)]).all(), "zero_pruned=False leaves pruned slots"
     for method in ("tile", "atomic"):
         out = kernels.gemm_k(h, wd, lay, gs, method=method)
@@ -271,7 +273,7 @@ def test_attention_reuses_a_layout():
     B, H, Hkv, T, D = 2, 4, 2, 23, 16
     q, k, v = randn(B, H, T, D, gen=gen), randn(B, Hkv, T, D, gen=gen), randn(B, Hkv, T, D, gen=gen)
     mask = make_mask((B, T, 2), 0.5, gen)
-    lay = kernels.layout(mask)  # the same layout feeds Q proj, attention, O proj
+    lay = kernels_layout.layout(mask)  # the same layout feeds Q proj, attention, O proj
     assert_close(kernels_attention.attention_prefill(q, k, v, lay),
                  kernels_attention.attention_prefill_ref(q, k, v, mask))
 
@@ -303,7 +305,7 @@ def test_fuzz_random_shapes_and_masks():
                        as_layout=rng.random() < 0.5)
         elif op == 2:
             mask = make_mask((rng.randint(1, 3), rng.randint(1, 40), rng.randint(1, 6)), p_on, gen)
-            check_layout(kernels.layout(mask, block_m=16), mask, 16)
+            check_layout(kernels_layout.layout(mask, block_m=16), mask, 16)
         elif op == 3:
             Hkv = rng.choice([1, 2])
             H = Hkv * rng.choice([1, 2, 4])
@@ -332,7 +334,7 @@ def test_gpu_bf16_gemms(M):
     wg, wu = (torch.randn(I, D, device="cuda", dtype=torch.bfloat16) / D ** 0.5 for _ in range(2))
     wd = torch.randn(D, I, device="cuda", dtype=torch.bfloat16) / I ** 0.5
     mask = torch.rand(M, I // gs, device="cuda") < 0.5
-    lay = kernels.layout(mask)
+    lay = kernels_layout.layout(mask)
     h = kernels.gemm_mn(x, wg, lay, gs, w_up=wu)
     h_ref = kernels.gemm_mn_ref(x.float(), wg.float(), mask, gs, wu.float())
     assert rel_err(h, h_ref) <= 1e-2 and (h[~mask.repeat_interleave(gs, 1)] == 0).all()

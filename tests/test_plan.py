@@ -15,6 +15,7 @@ import torch
 
 import engine
 import policy
+from policy import Policy
 from test_e2e import ALL_SPARSE, DEV, wide_model
 
 SHAPES = {  # name -> (routers, weights, batch, tokens per row, chunk start or None for a decode step)
@@ -53,9 +54,9 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
     m = wide_model(routers=routers)
     if "rule off" in name or "all sparse" in name:  # routed FFN at more than 4 rows (model.routes_ffn)
         m.ffn_router_max_decode_rows = None
-    pol = ALL_SPARSE if "all sparse" in name else engine.Policy(dense_gemv_max_tokens=0) if "cuBLAS" in name else None
+    pol = ALL_SPARSE if "all sparse" in name else Policy(dense_gemv_max_tokens=0) if "cuBLAS" in name else None
     if "threshold" in name:  # at the default 1024 tokens the interpreter takes 5x longer for the same plan
-        pol = engine.Policy(sparse_prefill_min_tokens=B * T)
+        pol = Policy(sparse_prefill_min_tokens=B * T)
     e = engine.Engine(m, pol, weights)
     with torch.no_grad():
         step = run_step(e, m, B, T, start)
@@ -191,7 +192,7 @@ def test_the_printed_plan_names_every_op_where_it_runs():
     for name in ("Q, K, V", "attention", "O proj", "gate + up", "down proj", "lm_head"):
         assert name in prefill and name in decode
     assert "cuBLAS         one cuBLAS GEMM on the masked input" in prefill  # O and down at 74 tokens
-    assert "gemv_mn's live-group list" in decode and "only the KV heads whose head group runs" in decode
+    assert "gemm_mn's decode GEMV, its live-group list" in decode and "only the KV heads whose head group runs" in decode
     dense8 = engine.Engine(wide_model(routers=False)).plan(8, True)  # no FFN router: no rule to print
     assert not dense8.shape.dense_ffn and "batch rule" not in dense8.text()
     fp8 = engine.Engine(wide_model(routers=False), weights="fp8").plan(1, True).text()

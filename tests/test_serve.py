@@ -16,13 +16,13 @@ import sys
 import pytest
 import torch
 
-import bench_serve
 import engine
-import kernels
-import mask_union
+import kernels_base
 import serve
-from generate import generate
+from bench import common, serving
 from conftest import ROOT, assert_one_line_error, stopped
+from generate import generate
+from research import mask_union
 from test_e2e import SKIPPING, wide_model
 
 
@@ -63,14 +63,14 @@ def test_every_request_equals_generating_it_alone_torch(seed, chunk):
 
 
 def test_phase_times_count_every_prompt_token_and_decode_step():
-    # bench_serve.py's per-phase columns: each prefill piece counts its tokens, each decode step its rows.
+    # bench/serving.py's per-phase columns: each prefill piece counts its tokens, each decode step its rows.
     m = wide_model()
     reqs = requests(3, 6)
     server = serve_all(m, reqs, n_slots=3, slot_len=32, chunk=4)
     ph = server.phase_ms()
     assert ph["prefill"][2] == sum(len(r.prompt) for r in reqs) and ph["prefill"][1] >= len(reqs)
     assert ph["decode"][1] == server.steps and ph["decode"][2] == sum(server.busy)
-    cols = bench_serve.phase_columns(ph, wall_s=1.0)
+    cols = serving.phase_columns(ph, wall_s=1.0)
     assert cols["decode_ms_per_step"] == pytest.approx(ph["decode"][0] / server.steps)
     assert cols["prefill_ms_per_1k_tokens"] == pytest.approx(ph["prefill"][0] / ph["prefill"][2] * 1e3)
 
@@ -123,10 +123,10 @@ def test_byte_arithmetic_attention_leaning_wins_at_large_batch_and_long_context(
     assert lim(32, 8192, 0.75, 0.25) == pytest.approx(2.0, abs=0.1)
 
 
-@pytest.mark.skipif(not kernels.INTERPRET, reason="--smoke runs the kernels in the Triton interpreter (the CPU test "
-                    "setup); on a GPU `python bench_serve.py` is the real run")
+@pytest.mark.skipif(not kernels_base.INTERPRET, reason="--smoke runs the kernels in the Triton interpreter (the CPU test "
+                    "setup); on a GPU `python -m bench.serving` is the real run")
 def test_serving_bench_smoke_writes_its_tables(tmp_path):
-    rec = bench_serve.main(["--smoke", "--output", "3,3", "--out", str(tmp_path / "serving")])
+    rec = serving.main(["--smoke", "--output", "3,3", "--out", str(tmp_path / "serving")])
     assert [r["profile"] for r in rec["rows"]] == ["dense", "dense", "WIDE 50/50", "WIDE 50/50"]
     assert all(r["output_tokens"] == 3 * r["requests"] and r["rejected"] == 0 for r in rec["rows"])  # --output
     assert all(r["decode_ms_per_step"] > 0 and r["prefill_ms_per_1k_tokens"] > 0 for r in rec["rows"])
@@ -135,11 +135,11 @@ def test_serving_bench_smoke_writes_its_tables(tmp_path):
 
 
 def run_bench_serve(*args, interpreter):
-    """python bench_serve.py ARGS with no GPU visible, under the Triton interpreter or not (a GPU machine
+    """python -m bench.serving ARGS with no GPU visible, under the Triton interpreter or not (a GPU machine
     runs its tests without it: run_script would pass on the CPU's TRITON_INTERPRET=1)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(CUDA_VISIBLE_DEVICES="", **({"TRITON_INTERPRET": "1"} if interpreter else {}))
-    return subprocess.run([sys.executable, "bench_serve.py", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "bench.serving", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -166,9 +166,8 @@ def test_serving_bench_refuses_a_bad_token_range_in_one_line_before_the_device_c
     (("--chunk", "1.5"), ("--chunk", "whole number")),
 ])
 def test_serving_bench_refuses_a_bad_number_in_one_line(capsys, monkeypatch, flags, words):
-    import bench_common
-    monkeypatch.setattr(bench_common, "prepare", lambda *a: pytest.fail("the flags were not checked first"))
-    assert_one_line_error(stopped(capsys, bench_serve.main, "--smoke", *flags), *words)
+    monkeypatch.setattr(common, "prepare", lambda *a: pytest.fail("the flags were not checked first"))
+    assert_one_line_error(stopped(capsys, serving.main, "--smoke", *flags), *words)
 
 
 def test_mask_union_without_a_trained_router_names_the_command(capsys, tmp_path):

@@ -17,7 +17,7 @@ storage), so an address maps back to an element through the argument's data_ptr,
 (contiguous) shape. A load outside every argument of the launch fails the test before it happens.
 
 What is pinned (GS = 16 channels per group; "live" = some token of the step, or of the tile, runs it):
-  gemm_mn, sorted tiles (M > SMALL_M): group g's weight rows are read exactly once per live token tile of
+  gemm_mn, sorted tiles (M > GEMV_MAX_TOKENS): group g's weight rows are read exactly once per live token tile of
       g, so never for a group no token runs and never by a dead tile; x row t once per group t runs.
   gemm_mn, decode GEMV (M <= 16): each weight row (and fp8 scale) of a live group or of the dense tail
       is read exactly once; a dead group's rows never.
@@ -41,8 +41,10 @@ import triton.runtime.interpreter as interpreter
 
 import kernels
 import kernels_attention
+import kernels_base
+import kernels_layout
 
-pytestmark = pytest.mark.skipif(not kernels.INTERPRET, reason="reads are recorded through the Triton interpreter")
+pytestmark = pytest.mark.skipif(not kernels_base.INTERPRET, reason="reads are recorded through the Triton interpreter")
 
 GS = 16       # channels per group: the smallest the kernels take
 BLOCK_M = 16  # the layout's token tile, passed explicitly so the expected counts below are plain arithmetic
@@ -183,7 +185,7 @@ def test_gemm_mn_tiles_read_a_groups_weight_rows_once_per_live_tile_and_never_fo
     w, ws = weight(fmt, G * GS, K, seed=1)
     w_up, wus = weight(fmt, G * GS, K, seed=2) if fused else (None, None)
     with recorded_loads() as rec:
-        kernels.gemm_mn(x, w, kernels.layout(mask, block_m=BLOCK_M), GS, w_up=w_up, w_scale=ws, w_up_scale=wus,
+        kernels.gemm_mn(x, w, kernels_layout.layout(mask, block_m=BLOCK_M), GS, w_up=w_up, w_scale=ws, w_up_scale=wus,
                         config=dict(BN=GS, BK=32))
     live_tiles = (mask.sum(0) + BLOCK_M - 1) // BLOCK_M  # [G]; a group no token runs has none
     expected = per_row(live_tiles, K)
@@ -244,7 +246,7 @@ def test_decode_gemv_reads_the_dense_tail_once_and_still_skips_the_dead_groups_b
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("kind", KINDS)
 def test_decode_gemm_k_never_reads_the_weight_columns_of_a_group_no_token_runs(kind, M, long_k, fmt):
-    K = kernels.LONG_K if long_k else kernels.LONG_K - GS  # the long-K variant splits from LONG_K on
+    K = kernels_base.LONG_K if long_k else kernels_base.LONG_K - GS  # the long-K variant splits from LONG_K on
     G, N = K // GS, 64
     mask = step_mask(kind, M, G)
     w, ws = weight(fmt, N, K)
@@ -283,7 +285,7 @@ def test_prefill_attention_reads_q_of_active_heads_once_and_kv_only_up_to_their_
     head_mask = step_mask(kind, B * T, G).view(B, T, G)
     q, k, v = randn(B, H, T, D, seed=1), randn(B, HKV, T, D, seed=2), randn(B, HKV, T, D, seed=3)
     with recorded_loads() as rec:
-        kernels_attention.attention_prefill(q, k, v, kernels.layout(head_mask))
+        kernels_attention.attention_prefill(q, k, v, kernels_layout.layout(head_mask))
     active = head_mask.repeat_interleave(H // G, 2).permute(0, 2, 1)  # [B, H, T]
     assert torch.equal(rec.reads("_attn_prefill_kernel", "q"), active[..., None].expand(-1, -1, -1, D).long()), \
         "q: each active (token, head) row exactly once, inactive ones never (a dead tile loads nothing)"

@@ -1,4 +1,4 @@
-"""where.py: TEAL in one place only, routers that decide in one place only, the place's FLOPs, the matched
+"""research/where.py: TEAL in one place only, routers that decide in one place only, the place's FLOPs, the matched
 TEAL solve, and the token buckets."""
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import baselines
-import where
 import wide
+from research import where
 from test_baselines import zeroed_shares
 from tiny_models import random_model, tokens, wide_model
 

@@ -1,10 +1,10 @@
 """
-Where the time of one decode step goes, op by op: `python bench_e2e.py --only profile` ->
-results/decode_profile_h200.{json,md} (bench_e2e's model and routers; this file holds the profile itself).
+Where the time of one decode step goes, op by op: `python -m bench.e2e --only profile` ->
+results/decode_profile_h200.{json,md} (bench/e2e.py's model and routers; this file holds the profile itself).
 
 For each (batch, context, weights) of Run.profile and each router profile (dense, WIDE at the bench's
 calibration, and at batch >= 8 the attention-leaning 75/25 routers), one decode step is captured as a CUDA
-graph (generate.CUDAGraphDecoder, as generate() and serve.py replay it) and replayed under torch.profiler.
+graph (engine.CUDAGraphDecoder, as generate() and serve.py replay it) and replayed under torch.profiler.
 Every GPU kernel of one replay is assigned to the op of the engine's plan (policy.py) that launched it:
 Triton kernels by name, a cuBLAS GEMM to the next op the plan sends to cuBLAS, and the small torch kernels
 (casts, element-wise ops) to the op running when they start. Per op, summed over the layers:
@@ -20,8 +20,8 @@ import os
 import torch
 
 import engine
-from bench_common import COPY_GBS, calibrate_routers, clock_ms, fill_cache, mask_summary, save, set_profile, with_engine
-from generate import CUDAGraphDecoder
+from bench.common import COPY_GBS, calibrate_routers, clock_ms, fill_cache, mask_summary, save, set_profile, with_engine
+from policy import Policy
 
 # Library kernels that start an op the plan sends to cuBLAS (the rest: casts, element-wise, reductions)
 GEMM_NAMES = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas")
@@ -152,7 +152,7 @@ def profile_markdown(record):
     out = [f"# One decode step, op by op ({record['gpu']})", "",
            f"torch {record['torch']}, triton {record['triton']}, {record['date']}, `{record['command']}`. "
            f"{record['model']}. Each step: CUDA-graph replay of generate()'s decode step, kernels from "
-           "torch.profiler, assigned to the ops of the engine's plan (bench_profile.py). us and gap us are per "
+           "torch.profiler, assigned to the ops of the engine's plan (bench/step_profile.py). us and gap us are per "
            "step, summed over the layers; MB is what the op must read at the routers' masks; GB/s against the "
            f"{COPY_GBS} GB/s copy ceiling. 'byte-ideal' = the step's MB at the copy ceiling.", ""]
     for s in record["steps"]:
@@ -176,7 +176,7 @@ def profile_one(run, e, batch, context, replays=20):
     fill_cache(e.model, context)
     token = torch.randint(0, e.config.vocab_size, (batch, 1), device=run.device)
     pos = torch.full((batch,), context, device=run.device)
-    dec = CUDAGraphDecoder(e, token, pos)  # every replay: the same step (the K/V at `context` rewritten)
+    dec = engine.CUDAGraphDecoder(e, token, pos)  # every replay: the same step (the K/V at `context` rewritten)
     ms = clock_ms(False, lambda n: [dec(token, pos) for _ in range(n)], replays)
     masks = mask_summary(dec.masks, batch)
     plan = e.plan(batch, True)
@@ -189,7 +189,7 @@ def profile_one(run, e, batch, context, replays=20):
 
 
 def profile_rows(run, m, record, out, log):
-    """The profile part of bench_e2e.py: every (batch, context, weights) of run.profile, dense and WIDE,
+    """The profile part of bench/e2e.py: every (batch, context, weights) of run.profile, dense and WIDE,
     written to `out` (.json, .md) as it goes; returns no e2e rows. The routers end at the bench's 0.5."""
     if run.smoke:  # CUDA graphs and the profiler's GPU kernels: nothing to profile on the CPU
         log("profile: needs a CUDA GPU (graph replay under torch.profiler); skipped")
@@ -202,7 +202,7 @@ def profile_rows(run, m, record, out, log):
             for name, sparsity in profiles:
                 if sparsity:
                     set_profile(m, routers, *sparsity, run.calibrate_tokens)
-                s = with_engine(m, sparsity is not None, engine.Policy(),
+                s = with_engine(m, sparsity is not None, Policy(),
                                 lambda e: profile_one(run, e, batch, context), weights)
                 rec["steps"].append(dict(s, batch=batch, context=context, weights=weights, profile=name))
                 log(f"  profile batch {batch}, context {context}, {weights}, {name}: step {s['step_us']} us, kernels "

@@ -2,7 +2,7 @@
 The mask union of trained routers, and the byte arithmetic of a decode step: why weight skipping does
 not survive batching and which router profile should win at which batch and context.
 
-    python mask_union.py      # CPU: the trained routers under out/ -> results/mask_union.{json,md,png}
+    python -m research.mask_union      # CPU: the trained routers under out/ -> results/mask_union.{json,md,png}
 
 A decode step over B tokens must read every weight group that any of them runs: the union of their
 masks. union_live measures it for our trained routers on held-out text against the bound for
@@ -18,7 +18,7 @@ import sys
 import torch
 
 import cli
-from bench_common import save
+from bench.common import save
 
 
 def union_live(keep, B, trials, gen):
@@ -159,7 +159,7 @@ def run_union(args, argv):
     paths = checkpoints(args.out_dir)
     if not paths:
         cli.fail(f"no trained router checkpoint under {args.out_dir}/ (train one with: python train.py --sparsity 0.5)")
-    rec = dict(command=" ".join(["python", "mask_union.py"] + list(argv)), trials=400,
+    rec = dict(command=" ".join(["python -m research.mask_union"] + list(argv)), trials=400,
                device=f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)", torch=torch.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                checkpoints=mask_union(paths, (1, 2, 4, 8, 16, 32, 64)))
@@ -171,7 +171,7 @@ def run_union(args, argv):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = cli.parser(__doc__)
+    p = cli.parser(__doc__, prog="-m research.mask_union")
     p.add_argument("--out-dir", default="out", help="where train.py wrote its checkpoints")
     p.add_argument("--out", default=os.path.join("results", "mask_union"), help="output path prefix for "
                    ".json/.md/.png (default results/mask_union)")

@@ -1,10 +1,10 @@
 """
-The block-size sweep behind kernels.CONFIGS: every variant of a kernel's sizes checked (all groups on and
-50% skipped) and timed as bench_kernels.py times that op (decode-sized ops on CUDA-graph replay).
+The block-size sweep behind kernels_base.CONFIGS: every variant of a kernel's sizes checked (every group
+live and 50% skipped) and timed as bench/ops.py times that op (decode-sized ops on CUDA-graph replay).
 
-    python bench_tune.py              # every CONFIGS key below -> results/kernels_h200_tune.{json,md}
-    python bench_tune.py --only fp8   # only the keys whose name contains "fp8"
-    TRITON_INTERPRET=1 python bench_tune.py --smoke   # each key's first and last variant on the CPU (CI)
+    python -m bench.tune              # every CONFIGS key below -> results/kernels_h200_tune.{json,md}
+    python -m bench.tune --only fp8   # only the keys whose name contains "fp8"
+    TRITON_INTERPRET=1 python -m bench.tune --smoke   # each key's first and last variant on the CPU (CI)
 
 The variants are passed to the ops as config= (CONFIGS itself is never rewritten); a key's first row is
 its current setting. fp8 keys time the same op on e4m3 weights (kernels.quantize_fp8); their dense
@@ -13,14 +13,14 @@ column is still the bf16 cuBLAS op, so their speedup is against bf16.
 import functools
 
 import cli
-import kernels
-from bench_common import bench_ms, graph_ms, meta, save
-from bench_kernels import (case_decode_attention, case_gate_up, case_k, case_prefill_attention, case_q, check,
-                           command_line, rand_mask)
+import kernels_base
+from bench.cases import (case_decode_attention, case_gate_up, case_k, case_prefill_attention, case_q, check,
+                         command_line, rand_mask)
+from bench.common import bench_ms, graph_ms, meta, save
 
 
 # CONFIGS key -> (case, block-size variants). Each variant goes to the op as config= (and block_m to the
-# layout); kernels.CONFIGS itself is never changed, and its current entry is always timed first. Copy a
+# layout); kernels_base.CONFIGS itself is never changed, and its current entry is always timed first. Copy a
 # winner into CONFIGS by hand.
 def tune_table(s):
     M, FFN = s.prefill_m, s.FFN
@@ -87,10 +87,10 @@ def run_tune(s, args, argv):
         dense_fns = case.dense[case.baseline[0]]
         dense_ms = graph_ms(s.smoke, dense_fns) if case.decode else bench_ms(s.smoke, dense_fns[0])
         print(f"{key} ({case.op}, {case.tokens} tokens): dense {dense_ms * 1e3:.1f} us, "
-              f"current {kernels.CONFIGS[key.split()[0]]}", flush=True)
+              f"current {kernels_base.CONFIGS[key.split()[0]]}", flush=True)
         results[key] = dict(op=case.op, tokens=case.tokens, timing="cuda_graph" if case.decode else "do_bench",
-                            dense_ms=dense_ms, current=kernels.CONFIGS[key.split()[0]], variants=[])
-        current = kernels.CONFIGS[key.split()[0]]
+                            dense_ms=dense_ms, current=kernels_base.CONFIGS[key.split()[0]], variants=[])
+        current = kernels_base.CONFIGS[key.split()[0]]
         todo = [dict(current)] + [v for v in variants if v != current]
         for v in todo[:1] + todo[-1:] if s.smoke else todo:  # --smoke: the code path (first, last), not the width
             try:
@@ -104,7 +104,7 @@ def run_tune(s, args, argv):
                 results[key]["variants"].append(dict(config=v, failed=f"{type(e).__name__}: {str(e)[:200]}"))
                 print(f"  {v}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         del case
-    m = meta(s.smoke, "bench_tune.py", argv, l2_MB=s.l2_bytes / 2 ** 20)
+    m = meta(s.smoke, "-m bench.tune", argv, l2_MB=s.l2_bytes / 2 ** 20)
     lines = [f"# Block-size sweep on {m['gpu']}", "", f"torch {m['torch']}, triton {m['triton']}, {m['date']}, "
              f"`{m['command']}`. 50% of groups skipped; decode-sized ops timed on CUDA-graph replay.", "",
              "| CONFIGS key | op | tokens | config | us | speedup | all groups on, us |", "|---|---|---|---|---|---|---|"]
@@ -119,7 +119,7 @@ def run_tune(s, args, argv):
 
 
 def main(argv=None):
-    args, argv, s = command_line(__doc__, "bench_tune.py", "kernels_h200_tune", "CONFIGS keys", argv)
+    args, argv, s = command_line(__doc__, "-m bench.tune", "kernels_h200_tune", "CONFIGS keys", argv)
     return run_tune(s, args, argv)
 
 

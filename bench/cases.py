@@ -1,28 +1,11 @@
 """
-Kernel speed: every WIDE op against the best dense op we can build, Llama-3.1-8B shapes, bf16.
+The op cases the kernel benchmarks time (bench/ops.py) and sweep (bench/tune.py): each WIDE op at one
+shape with its dense rivals, its fp32 twin and the check every mask passes before it is timed.
 
-  python bench_kernels.py              # correctness at every sparsity, then timings -> results/kernels_h200.{json,md}
-  python bench_kernels.py --only gate  # only the ops whose name contains "gate"
-  TRITON_INTERPRET=1 python bench_kernels.py --smoke   # the same code on the CPU: tiny fp32 shapes (CI)
-
-The block-size sweep over the same cases is bench_tune.py.
-
-The protocol (BENCH.md), step by step for every op:
- 1) Correctness first, at every sparsity that is then timed (all groups on, 25%, 50%, 75% skipped):
-    fresh random inputs, relative error against the fp32 twin <= 1e-2, pruned output slots exactly 0,
-    no NaN. A failed check stops the run.
- 2) Millisecond-scale rows (prefill) are timed with triton.testing.do_bench medians (L2 flushed
-    between repetitions). Decode-sized rows (1-16 tokens) are judged on CUDA-graph replay, because
-    under do_bench a microsecond kernel mostly measures its host launch: one graph calls the op on
-    n rotating copies of its weights / KV cache, n chosen so that the *sparse* bytes read between two
-    uses of the same copy are at least 2x the L2 (nothing stays cached). Both times are stored.
- 3) The dense side at its best: one cuBLAS GEMM over the fused gate+up weight [2I, D] (and with
-    SwiGLU), one fused QKV GEMM, SDPA with its default backend for attention (flash reported too). Sparse times include everything the sparse
-    path needs: the layout (mask reordering) and the zeroing of pruned outputs.
- 4) The sparse kernel with every group on: the ratio to dense shows kernel quality, the ratio to its
-    own sparse runs shows how well skipping turns into time. (bench_tune.py times the cases below.)
+A Setup is the Llama-3.1-8B shapes in bf16 on the GPU, or tiny fp32 shapes on the CPU under the Triton
+interpreter (--smoke). A Case holds the rotating copies of its weights / KV cache (rotation()): between two
+uses of one copy, the others' sparse bytes are at least 2x the L2, so nothing stays cached.
 """
-import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -30,14 +13,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import bench_common
-import cli
 import kernels
-from bench_common import COPY_GBS, MATMUL_TFLOPS, bench_ms, graph_ms, meta, save
-from kernels_attention import (attention_decode, attention_decode_ref, attention_prefill,
-                               attention_prefill_ref)
+from bench import common
+from kernels_attention import attention_decode, attention_decode_ref, attention_prefill, attention_prefill_ref
+from kernels_layout import layout
+from policy import GEMV_MAX_TOKENS
 
-DECODE_TOKENS = kernels.SMALL_M      # rows with at most this many tokens are decode-sized: judged on graphs
+DECODE_TOKENS = GEMV_MAX_TOKENS      # rows with at most this many tokens are decode-sized: judged on graphs
 
 
 @dataclass
@@ -135,7 +117,7 @@ def with_layout(mask, config, tokens):
     config = dict(config or {})
     block_m = config.pop("block_m", None)
     if block_m and tokens > DECODE_TOKENS:
-        return kernels.layout(mask, block_m=block_m), config
+        return layout(mask, block_m=block_m), config
     return mask, config
 
 
@@ -188,11 +170,11 @@ def case_q(s, T, with_kv, fp8=False):
     w = weights(s, N, D, copies)
     wq = fp8_copies(w, fp8)
     x = torch.randn(T, D, device=s.device, dtype=s.dtype)
-    assert not fp8 or (with_kv and T <= kernels.SMALL_M), "fp8: the decode stream (Q with K/V) only"
+    assert not fp8 or (with_kv and T <= GEMV_MAX_TOKENS), "fp8: the decode stream (Q with K/V) only"
 
     def sparse(mask, i, config=None):
         m, cfg = with_layout(mask, config, T)
-        if with_kv and T <= kernels.SMALL_M:  # decode: one stream, K/V as always-live groups (engine.py)
+        if with_kv and T <= GEMV_MAX_TOKENS:  # decode: one stream, K/V as always-live groups (engine.py)
             qkv = kernels.gemm_mn(x, wq[i][0], m, gs, config=cfg, dense_tail=N - NQ, w_scale=wq[i][1])
             return qkv[:, :NQ], qkv[:, NQ:]
         q = kernels.gemm_mn(x, w[i][:NQ], m, gs, config=cfg)
@@ -319,153 +301,14 @@ def check(case, mask, config=None):
     return dict(rel_err=err, pruned_zero=zeros, nan_free=nan_free)
 
 
-def measure(s, case):
-    """The rows of one case: one per timed sparsity, all checked first, dense and all-active shared."""
-    run = lambda mask: [functools.partial(case.sparse, mask, i) for i in range(case.copies)]
-    dense = {name: bench_ms(s.smoke, fns[0]) for name, fns in case.dense.items()}
-    dense_graph = {name: graph_ms(s.smoke, fns) for name, fns in case.dense.items()} if case.decode else {}
-    full = rand_mask(s, case.mask_shape, 0.0)
-    full_check = check(case, full)
-    all_ms = bench_ms(s.smoke, run(full)[0])
-    all_graph_ms = graph_ms(s.smoke, run(full)) if case.decode else None
-    best = min(case.baseline, key=dense.get)
-    rows = []
-    for sp in s.sparsities:
-        mask = rand_mask(s, case.mask_shape, sp)
-        active = mask.float().mean().item()
-        ok = check(case, mask)
-        sparse_ms = bench_ms(s.smoke, run(mask)[0])
-        share = 1 - case.prunable + case.prunable * active  # of the dense op's bytes (or FLOPs) still needed
-        row = dict(op=case.op, tokens=case.tokens, batch=case.batch, context=case.context, sparsity=sp,
-                   realized_active=round(active, 4), timing="cuda_graph" if case.decode else "do_bench",
-                   dense_baseline=best, dense_ms=dense[best], sparse_ms=sparse_ms, speedup=dense[best] / sparse_ms,
-                   ideal_speedup=1 / share, all_active_ms=all_ms, **ok,
-                   all_active_rel_err=full_check["rel_err"], copies=case.copies)
-        for name, ms in dense.items():
-            if name != "dense":
-                row[f"{name}_ms"] = ms
-            if name not in case.baseline:
-                row[f"speedup_vs_{name}"] = ms / sparse_ms
-        judged_dense, judged_sparse = dense[best], sparse_ms
-        if case.decode:
-            sparse_graph = graph_ms(s.smoke, run(mask))
-            row.update(dense_graph_ms=dense_graph[best], sparse_graph_ms=sparse_graph,
-                       graph_speedup=dense_graph[best] / sparse_graph, all_active_graph_ms=all_graph_ms,
-                       reuse_bytes=round((case.copies - 1) * share * case.bytes), l2_bytes=s.l2_bytes)
-            for name, ms in dense_graph.items():
-                if name not in case.baseline:
-                    row[f"{name}_graph_ms"] = ms
-                    row[f"graph_speedup_vs_{name}"] = ms / sparse_graph
-            judged_dense, judged_sparse = dense_graph[best], sparse_graph
-        row["judged_speedup"] = judged_dense / judged_sparse
-        if case.decode:  # rates from the judged (graph) times
-            row["dense_GBps"] = case.bytes / judged_dense / 1e6
-            row["sparse_useful_GBps"] = share * case.bytes / judged_sparse / 1e6
-        else:
-            row["dense_TFLOPs"] = case.flops / judged_dense / 1e9
-            row["sparse_useful_TFLOPs"] = share * case.flops / judged_sparse / 1e9
-        rows.append(row)
-        print(f"  {sp:.0%} skipped: rel err {ok['rel_err']:.1e}; dense {judged_dense * 1e3:.1f} us, WIDE "
-              f"{judged_sparse * 1e3:.1f} us ({row['timing']}): {row['judged_speedup']:.2f}x, do_bench "
-              f"{row['speedup']:.2f}x, ideal {row['ideal_speedup']:.2f}x", flush=True)
-    return rows
-
-
-# The kernel speed targets, at 50% of the groups skipped: (text, op prefix, tokens, row key, goal).
-TARGETS = [
-    ("gate+up fused, 1 token, CUDA graph", "gate+up", 1, "graph_speedup", 1.85),
-    ("down (gemm_k), 1 token, CUDA graph", "down (gemm_k", 1, "graph_speedup", 1.80),
-    ("decode attention B16 L8192, CUDA graph", "attention decode", 1, "graph_speedup", 1.85),
-    ("causal prefill attention 16k vs SDPA default", "attention prefill", "prefill_t", "speedup", 1.80),
-    ("gate+up fused, 4096 tokens, vs cuBLAS", "gate+up", "prefill_m", "speedup", 1.75),
-    ("gate+up fused, 4096 tokens, vs cuBLAS + SwiGLU", "gate+up", "prefill_m", "speedup_vs_dense_swiglu", 1.85),
-]
-
-
-def target_lines(s, rows):
-    out = ["| target (50% of groups skipped) | measured | goal | |", "|---|---|---|---|"]
-    for text, op, tokens, key, goal in TARGETS:
-        tokens = getattr(s, tokens) if isinstance(tokens, str) else tokens
-        r = next((r for r in rows if r["op"].startswith(op) and r["tokens"] == tokens
-                  and r["sparsity"] == 0.5 and key in r), None)
-        got = f"{r[key]:.2f}x" if r else "not measured"
-        verdict = ("met" if r[key] >= goal else "missed") if r else ""
-        out.append(f"| {text} | {got} | >= {goal}x | {verdict} |")
-    return out
-
-
-def markdown(s, m, rows):
-    us = lambda ms: f"{ms * 1e3:.1f}"
-    out = [f"# WIDE kernels on {m['gpu']}", "",
-           f"torch {m['torch']}, triton {m['triton']}, {m['date']}, `{m['command']}`. {m['about']}", "",
-           "| op | tokens | batch | context | sparsity | judged by | dense us | WIDE us | speedup | ideal | "
-           "do_bench speedup | vs other dense | all groups on, us | useful rate | copies | rel err |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        g = r["timing"] == "cuda_graph"
-        d, w, a = ((r["dense_graph_ms"], r["sparse_graph_ms"], r["all_active_graph_ms"]) if g
-                   else (r["dense_ms"], r["sparse_ms"], r["all_active_ms"]))
-        prefix = "graph_speedup_vs_" if g else "speedup_vs_"
-        other = ", ".join(f"{k[len(prefix):]} {v:.2f}x" for k, v in r.items() if k.startswith(prefix))
-        rate = (f"{r['sparse_useful_GBps']:.0f} GB/s" if "sparse_useful_GBps" in r
-                else f"{r['sparse_useful_TFLOPs']:.0f} TFLOP/s")
-        out.append(f"| {r['op']} | {r['tokens']} | {r['batch']} | {r['context']} | {r['sparsity']:.2f} | "
-                   f"{'CUDA graph' if g else 'do_bench'} | {us(d)} | {us(w)} | {r['judged_speedup']:.2f}x | "
-                   f"{r['ideal_speedup']:.2f}x | {r['speedup']:.2f}x | {other} | {us(a)} | {rate} | "
-                   f"{r['copies']} | {r['rel_err']:.1e} |")
-    return "\n".join(out + ["", "Targets:", ""] + target_lines(s, rows)) + "\n"
-
-
-ABOUT = ("{dtype}, shapes D {D}, {H} q / {HKV} kv heads of {HD}, FFN {FFN}; random group masks (sparsity = "
-         "share of groups skipped), checked against the fp32 twin at every sparsity before timing. Decode-sized "
-         "rows (<= {dt} tokens) are judged on CUDA-graph replay over 'copies' rotating weight/KV copies "
-         "(sparse bytes read between two uses of a copy >= 2x the {l2:.0f} MB L2); their do_bench speedup "
-         "is shown too. Larger rows: do_bench medians, L2 flushed. WIDE times include the layout and output "
-         "zeroing. Dense: one cuBLAS GEMM over the fused weight (gate+up [2I, D]; Q/K/V [(H+2Hkv)d, D]), SDPA's "
-         "default backend for attention. 'ideal' = dense bytes (decode) or FLOPs (prefill) / the share still "
-         "needed; 'useful rate' = that share / WIDE time (copy ceiling {copy} GB/s, bf16 matmul {mm} TFLOP/s).")
-
-
-def run_kernels(s, args, argv):
-    rows = []
-    for name, factory in all_cases(s):
-        if args.only and args.only not in name:
-            continue
-        case = factory()
-        print(f"{case.op}: tokens {case.tokens}, batch {case.batch}, context {case.context}, "
-              f"{case.copies} copies", flush=True)
-        rows += measure(s, case)
-        del case
-        if not s.smoke:
-            torch.cuda.empty_cache()
-    about = ABOUT.format(dtype=str(s.dtype).replace("torch.", ""), D=s.D, H=s.H, HKV=s.HKV, HD=s.HD, FFN=s.FFN,
-                         dt=DECODE_TOKENS, l2=s.l2_bytes / 2 ** 20, copy=COPY_GBS, mm=MATMUL_TFLOPS)
-    m = meta(s.smoke, "bench_kernels.py", argv, about=about, configs=kernels.CONFIGS, l2_MB=s.l2_bytes / 2 ** 20,
-             ceilings=dict(copy_GBps=COPY_GBS, bf16_matmul_TFLOPs=MATMUL_TFLOPS))
-    md = markdown(s, m, rows)
-    save(args.out, dict(meta=m, rows=rows), md)
-    print(md + f"\nwritten: {args.out}.json, {args.out}.md")
-    return rows
-
-
 def command_line(doc, script, results, only, argv=None):
-    """The command line of this script and bench_tune.py (--only, --out, --smoke), checked, then the device
+    """The command line of bench/ops.py and bench/tune.py (--only, --out, --smoke), checked, then the device
     check: (args, argv, the Setup to run)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = bench_common.parser(doc, results)
+    p = common.parser(doc, script, results)
     p.add_argument("--only", default="", help=f"only the {only} whose name contains this")
     args = p.parse_args(argv)
-    bench_common.prepare(args, script, argv, results)
+    common.prepare(args, script, argv, results)
     return args, argv, smoke_setup() if args.smoke else gpu_setup()
 
 
-def main(argv=None):
-    args, argv, s = command_line(__doc__, "bench_kernels.py", "kernels_h200", "ops", argv)
-    try:
-        return run_kernels(s, args, argv)
-    except CheckFailed as e:
-        cli.fail(f"correctness check failed, nothing timed past it: {e}")
-
-
-if __name__ == "__main__":
-    cli.run(main)

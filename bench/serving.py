@@ -2,20 +2,20 @@
 Serving benchmark: Poisson arrivals through serve.py's continuous-batching loop, dense vs WIDE, on a
 Llama-3.1-8B-shaped model (random bf16 weights, routers calibrated per profile).
 
-    python bench_serve.py                   # mixed: prompts 512-8192, 64 slots -> results/serving_h200_mixed.*
-    python bench_serve.py --workload 8k     # prompts of 8192 tokens, 64 slots -> results/serving_h200_8k.*
-    python bench_serve.py --workload long   # prompts 16k-32k, 16 slots, 32 requests -> results/serving_h200_long.*
-    python bench_serve.py --profiles 0.5/0.5,0.75/0.25,0.875/0.25   # one more attention-leaning profile
-    TRITON_INTERPRET=1 python bench_serve.py --smoke --slots 1      # the same code on the CPU, a tiny model (CI)
+    python -m bench.serving                   # mixed: prompts 512-8192, 64 slots -> results/serving_h200_mixed.*
+    python -m bench.serving --workload 8k     # prompts of 8192 tokens, 64 slots -> results/serving_h200_8k.*
+    python -m bench.serving --workload long   # prompts 16k-32k, 16 slots, 32 requests -> results/serving_h200_long.*
+    python -m bench.serving --profiles 0.5/0.5,0.75/0.25,0.875/0.25   # one more attention-leaning profile
+    TRITON_INTERPRET=1 python -m bench.serving --smoke --slots 1      # the same code on the CPU, a tiny model (CI)
 
-(On an H200, --rates 2,8,inf of the mixed workload took 207 s.) Explicit --prompt, --output, --slots,
+Explicit --prompt, --output, --slots,
 --requests, --rates and --out override what the workload sets. --smoke keeps its own tiny lengths; the
 workload then only names the file.
 
 Per rate and profile: output tokens/s, TTFT and TPOT (p50 / p99), the concurrency reached, and per phase
 the stream time (prefill ms per 1k prompt tokens, decode ms per step). Every profile runs on the same
 engine (engine.Engine); "dense" is the model with its routers removed. A profile's routers are calibrated
-on a random prompt (bench_common.calibrate_routers), one router type at a time. If
+on a random prompt (bench/common.py's calibrate_routers), one router type at a time. If
 results/quality_serving.json exists (perplexity of trained routers at these profiles), the table shows
 each profile's perplexity ratio next to its speed. Each run writes .json (the numbers), .md (the table)
 and .png (throughput and p99 TPOT against the offered load).
@@ -31,10 +31,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-import bench_common
 import cli
 import engine
-from bench_common import SMOKE, ModelRun, meta, random_model, save, set_profile
+from bench import common
+from bench.common import SMOKE, ModelRun, meta, random_model, save, set_profile
+from policy import Policy
 from serve import Request, Server
 from wide import routers_off, routers_on
 
@@ -81,7 +82,7 @@ def smoke_workload(name="mixed"):
 
 
 def smoke_model_run():
-    """A smaller model than bench_e2e's --smoke: one layer, 2 attention groups (2 heads of 16, one KV
+    """A smaller model than bench/e2e.py's --smoke: one layer, 2 attention groups (2 heads of 16, one KV
     head each), 2 FFN groups of 32 channels. The interpreter pays per kernel program."""
     tiny = dict(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=64,
                 max_seq_len=32)
@@ -262,7 +263,7 @@ def check_cache_fits(m, w, slot_len, headroom=4 << 30):
 
 def serving_meta(w, run, args, argv, m, slot_len):
     gib = cache_bytes(m.config, w.n_slots, slot_len, m.embed_tokens.weight.element_size()) / 2 ** 30
-    return meta(run.smoke, "bench_serve.py", argv, rows=[], policy=repr(engine.Policy()), workload_name=w.name,
+    return meta(run.smoke, "-m bench.serving", argv, rows=[], policy=repr(Policy()), workload_name=w.name,
                 slots=w.n_slots, slot_len=slot_len, kv_cache_gib=round(gib, 2), requests=w.requests,
                 profiles=[list(p) for p in w.profiles], ffn_router_max_decode_rows=m.ffn_router_max_decode_rows,
                 quality_file=QUALITY, quality=load_quality(QUALITY, w.profiles),
@@ -404,7 +405,7 @@ def redraw(path):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = bench_common.parser(__doc__, "serving_h200_<workload>")
+    p = common.parser(__doc__, "-m bench.serving", "serving_h200_<workload>")
     p.add_argument("--workload", choices=list(WORKLOADS), default="mixed", help="mixed: prompts 512-8192, 64 slots; "
                    "8k: prompts of 8192; long: prompts 16384-32768, 16 slots, 32 requests at 0.5/s and all at once "
                    "(default mixed)")
@@ -436,7 +437,7 @@ def main(argv=None):
     if w.prompt[1] + w.output[1] + 1 > CONTEXT:
         p.error(f"--prompt/--output: a slot of {w.prompt[1]} + {w.output[1]} + 1 positions exceeds the model's "
                 f"context of {CONTEXT}; shorten the prompt or the output range")
-    bench_common.prepare(args, "bench_serve.py", argv, f"serving_h200_{w.name}")
+    common.prepare(args, "-m bench.serving", argv, f"serving_h200_{w.name}")
     return run_bench(w, args, argv)
 
 

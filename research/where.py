@@ -1,7 +1,8 @@
 """
 Where WIDE loses (or wins) against TEAL-style thresholds: which layers, attention or FFN, which tokens.
 
-    python where.py --out-dir out-gpu --name quality_gpu   # -> results/quality_gpu_where.{json,md}
+    python -m research.where                                      # -> results/quality_where.{json,md}
+    python -m research.where --out-dir out-gpu --name quality_gpu  # -> results/quality_gpu_where.{json,md}
 
 1) Places. The routers of one checkpoint (--target, stage 1 and stage 2) decide in one place only: one
    layer's attention, one layer's FFN, every layer's attention or every layer's FFN; every other group is
@@ -224,7 +225,8 @@ def markdown(rec):
 
 
 def main(argv=None):
-    p = cli.parser(__doc__)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = cli.parser(__doc__, prog="-m research.where")
     p.add_argument("--out-dir", default="out")
     p.add_argument("--results", default="results")
     p.add_argument("--name", default="quality", help="writes RESULTS/NAME_where.{json,md}")
@@ -253,7 +255,7 @@ def main(argv=None):
     calib = [data.get_batch(stream, 16, args.block_size, gen)[0].to(args.device) for _ in range(args.calib_batches)]
     dense_ppl = math.exp(token_nll(Transformer.from_pretrained(base_dir, device=args.device), x, y, args)[0].mean().item())
     teal_ref = math.exp(token_nll(backbone(args.teal_backbone, args.device), x, y, args)[0].mean().item())
-    rec = dict(date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv), device=args.device,
+    rec = dict(date=datetime.date.today().isoformat(), command=" ".join(["python -m research.where"] + argv), device=args.device,
                torch=torch.__version__, out_dir=args.out_dir, target=args.target, held_out_tokens=y.numel(),
                dense_ppl=round(dense_ppl, 3), teal_backbone=args.teal_backbone, teal_backbone_ppl=round(teal_ref, 3),
                places=place_rows(args, cfg, x, y, calib, teal_ref) if "places" in args.sections else [],

@@ -2,17 +2,17 @@
 End to end: a Llama-3.1-8B-shaped model (random bf16 weights, real WIDE routers) through engine.Engine,
 against the same model with its routers removed, in the same engine.
 
-  python bench_e2e.py                       # the default set, about 4-7 minutes on an H200 -> results/e2e_h200.{json,md}
-  python bench_e2e.py --only decode,compile # a subset of the parts: prefill, decode, compile, fp8, small, profile
-  python bench_e2e.py --decode 1x1024,32x8192   # other decode rows (batch x context)
-  python bench_e2e.py --budget-s 300        # start no new row after this many seconds
-  python bench_e2e.py --only fp8 --append   # replace only these parts' rows in results/e2e_h200.*
-  TRITON_INTERPRET=1 python bench_e2e.py --smoke   # the same code on the CPU: a tiny fp32 model (CI)
+  python -m bench.e2e                       # the default set, about 4-7 minutes on an H200 -> results/e2e_h200.{json,md}
+  python -m bench.e2e --only decode,compile # a subset of the parts: prefill, decode, compile, fp8, small, profile
+  python -m bench.e2e --decode 1x1024,32x8192   # other decode rows (batch x context)
+  python -m bench.e2e --budget-s 300        # start no new row after this many seconds
+  python -m bench.e2e --only fp8 --append   # replace only these parts' rows in results/e2e_h200.*
+  TRITON_INTERPRET=1 python -m bench.e2e --smoke   # the same code on the CPU: a tiny fp32 model (CI)
 
 What each part measures:
   prefill  one prompt of 4096 tokens (logits of its last token only), WIDE vs dense, median of 5.
   decode   one new token per row over a KV cache filled to `context`, replayed as a CUDA graph
-           (generate.CUDAGraphDecoder) with greedy argmax, at the default rows (batch, context) =
+           (engine.CUDAGraphDecoder) with greedy argmax, at the default rows (batch, context) =
            (1, 1k), (1, 8k), (8, 1k), (32, 8k). Dense: the faster of the two dense decode attentions
            (Policy.dense_decode_attention). WIDE: the default Policy, and with more tokens than
            Policy.sparse_decode_max_tokens also Q and O through their kernels ("all sparse"; the FFN follows the
@@ -25,13 +25,13 @@ What each part measures:
            torch.compile(mode="reduce-overhead", fullgraph=True) captures; both tokens/s.
   fp8      batch-1 decode at 1k and 8k with fp8 weights (engine.Engine(weights="fp8"): e4m3, one scale per
            output channel, read by the same decode kernels): dense bf16, dense fp8, WIDE bf16, WIDE fp8.
-  profile  one decode step op by op (bench_profile.py): batch 1 at 1k in bf16 and fp8, batch 32 at 8k,
+  profile  one decode step op by op (bench/step_profile.py): batch 1 at 1k in bf16 and fp8, batch 32 at 8k,
            dense and WIDE (and 75/25 routers at batch 32) -> results/decode_profile_h200.{json,md}
   small    the trained small model (out/wide-s0.5-stage*) if there is one, else the small preset with
            calibrated random routers: masks from a trained router, through generate().
 
 Routers: wide.Router with its own initialisation; each group's skip bias is shifted so that it skips
-half the tokens of a random prompt (bench_common.calibrate_routers). Timing: CUDA events around N steps after a
+half the tokens of a random prompt (common.calibrate_routers). Timing: CUDA events around N steps after a
 warm-up; --smoke times with the CPU clock (meaningless) and never writes under results/.
 """
 import argparse
@@ -43,22 +43,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-import bench_common
-import bench_profile
 import checkpoints
 import cli
 import engine
 import kernels_base
-from bench_common import (COPY_GBS, SMOKE, ModelRun, calibrate_routers, clock_ms, fill_cache, mask_summary, meta, random_model,
-                          save, with_engine)
-from generate import CUDAGraphDecoder, generate
-from wide import routers_off, routers_on
+from bench import common, step_profile
+from bench.common import (COPY_GBS, SMOKE, ModelRun, calibrate_routers, clock_ms, fill_cache, mask_summary, meta,
+                          random_model, save, with_engine)
+from generate import generate
 from model import CheckpointError
+from policy import Policy
+from wide import routers_off, routers_on
 
 
 @dataclass
 class Run(ModelRun):
-    """What one run measures (the rows below), on bench_common's model: the Llama-3.1-8B shape on the GPU,
+    """What one run measures (the rows below), on bench/common.py's model: the Llama-3.1-8B shape on the GPU,
     or a tiny model (--smoke)."""
     prefill: int = 4096
     decode: list = field(default_factory=lambda: [(1, 1024), (1, 8192), (8, 1024), (32, 8192)])
@@ -109,7 +109,7 @@ def fmt_row(r, skip=("gpu", "torch", "triton")):
 
 
 class EagerDecoder:
-    """CUDAGraphDecoder's interface without the graph, for --smoke on the CPU (no CUDA graphs there)."""
+    """engine.CUDAGraphDecoder's interface without the graph, for --smoke on the CPU (no CUDA graphs there)."""
 
     def __init__(self, model, token, pos):
         self.model, self.masks = model, {}
@@ -140,17 +140,17 @@ def time_decode(run, e, batch, context, steps):
     fill_cache(e.model, context)
     token = torch.randint(0, e.config.vocab_size, (batch, 1), device=run.device)
     pos = torch.full((batch,), context, device=run.device)
-    step = (EagerDecoder if run.smoke else CUDAGraphDecoder)(e, token, pos)
+    graph = (EagerDecoder if run.smoke else engine.CUDAGraphDecoder)(e, token, pos)
     state = dict(token=token)
 
     def go(n):
         for _ in range(n):
-            state["token"] = step(state["token"], pos).argmax(-1, keepdim=True)
+            state["token"] = graph(state["token"], pos).argmax(-1, keepdim=True)
             pos.add_(1)
     go(run.warmup)
     ms = clock_ms(run.smoke, go, steps)
-    masks = mask_summary(step.masks, batch)
-    del step
+    masks = mask_summary(graph.masks, batch)
+    del graph
     e.clear_caches()
     return ms, masks
 
@@ -184,8 +184,8 @@ def time_compiled(run, m, context, steps):
 
 # ----------------------------------------------------------------------------------- rows
 def prefill_row(run, m, T):
-    dense = with_engine(m, False, engine.Policy(), lambda e: time_prefill(run, e, T))
-    wide_ms = with_engine(m, True, engine.Policy(), lambda e: time_prefill(run, e, T))
+    dense = with_engine(m, False, Policy(), lambda e: time_prefill(run, e, T))
+    wide_ms = with_engine(m, True, Policy(), lambda e: time_prefill(run, e, T))
     c = m.config
     head = c.vocab_size * c.dim  # linear FLOPs (the head for the last token only) + causal attention
     flops = 2 * (weight_bytes(m) / m.embed_tokens.weight.element_size() - head) * T + 2 * head \
@@ -201,10 +201,10 @@ def decode_row(run, m, batch, context, log):
     # The dense side at its best: each decode attention, the unrouted linears through cuBLAS or through WIDE's
     # kernels with every group live (steps of <= Policy.dense_gemv_max_tokens tokens), and launches with and
     # without programmatic dependent launch (kernels_base.pdl); the fastest is the row's dense time.
-    small = batch <= engine.Policy().sparse_decode_max_tokens
-    dense_policies = {"triton": engine.Policy(), "sdpa": engine.Policy(dense_decode_attention="sdpa")}
-    if batch <= engine.Policy().dense_gemv_max_tokens:
-        dense_policies["cublas linears"] = engine.Policy(dense_gemv_max_tokens=0)
+    small = batch <= Policy().sparse_decode_max_tokens
+    dense_policies = {"triton": Policy(), "sdpa": Policy(dense_decode_attention="sdpa")}
+    if batch <= Policy().dense_gemv_max_tokens:
+        dense_policies["cublas linears"] = Policy(dense_gemv_max_tokens=0)
     for name, pol in dense_policies.items():
         dense[name] = with_engine(m, False, pol, lambda e: time_decode(run, e, batch, context, steps)[0])
         log(f"  dense ({name}): {dense[name]:.3f} ms")
@@ -214,25 +214,25 @@ def decode_row(run, m, batch, context, log):
         with kernels_base.pdl_off():
             dense["PDL off"] = with_engine(m, False, best, lambda e: time_decode(run, e, batch, context, steps)[0])
         log(f"  dense (its best without PDL): {dense['PDL off']:.3f} ms")
-    policies = {"default": engine.Policy()}
+    policies = {"default": Policy()}
     if not small:
-        policies["all sparse"] = engine.Policy(sparse_decode_max_tokens=64)
+        policies["all sparse"] = Policy(sparse_decode_max_tokens=64)
     for name, pol in policies.items():
         wide_ms[name], got = with_engine(m, True, pol, lambda e: time_decode(run, e, batch, context, steps))
         masks = masks or got
         log(f"  WIDE ({name}): {wide_ms[name]:.3f} ms, masks {got}")
     if pdl:
         with kernels_base.pdl_off():
-            wide_ms["PDL off"] = with_engine(m, True, engine.Policy(),
+            wide_ms["PDL off"] = with_engine(m, True, Policy(),
                                              lambda e: time_decode(run, e, batch, context, steps)[0])
         log(f"  WIDE (default, without PDL): {wide_ms['PDL off']:.3f} ms")
     # The vote rule (model.ffn_vote, off by default: it changes what a token computes), timed on the side:
     # an FFN group runs for the whole batch iff >= k rows want it. Never the row's headline WIDE time.
     votes = {}
-    for k in (batch // 4, batch // 2) if batch > engine.Policy().sparse_decode_max_tokens else ():
+    for k in (batch // 4, batch // 2) if batch > Policy().sparse_decode_max_tokens else ():
         m.ffn_vote = k
         try:
-            ms, got = with_engine(m, True, engine.Policy(), lambda e: time_decode(run, e, batch, context, steps))
+            ms, got = with_engine(m, True, Policy(), lambda e: time_decode(run, e, batch, context, steps))
         finally:
             m.ffn_vote = None
         votes[k] = dict(ms=ms, speedup=min(dense.values()) / ms, ffn_union_live=got["ffn_union_live"])
@@ -253,7 +253,7 @@ def fp8_row(run, m, batch, context, log):
     ms = {}
     for name, routers in (("dense", False), ("WIDE", True)):
         for weights in ("bf16", "fp8"):
-            ms[f"{name} {weights}"] = with_engine(m, routers, engine.Policy(), lambda e: time_decode(
+            ms[f"{name} {weights}"] = with_engine(m, routers, Policy(), lambda e: time_decode(
                 run, e, batch, context, run.steps)[0], weights)
             log(f"  {name} {weights}: {ms[f'{name} {weights}']:.3f} ms")
     return dict(phase="decode fp8", batch=batch, context=context, ms=ms,
@@ -271,7 +271,7 @@ def compile_row(run, m, rows, log):
     if same:
         e_ms = same["dense_ms"]
     else:
-        e_ms = with_engine(m, False, engine.Policy(), lambda e: time_decode(run, e, 1, ctx, run.steps)[0])
+        e_ms = with_engine(m, False, Policy(), lambda e: time_decode(run, e, 1, ctx, run.steps)[0])
     saved = routers_off(m)
     try:
         c_ms, compile_s = time_compiled(run, m, ctx, run.steps)
@@ -382,7 +382,7 @@ def markdown(m):
     out += [f"Model: {m['model']}. Routers: {m['routers']}. Engine: engine.Engine for both sides; the dense side "
            "is the same model with its routers removed (decode attention: the faster of the split-KV Triton "
            "kernel with every head on and SDPA; prefill attention: SDPA's default backend). Decode steps are "
-           f"CUDA graphs (generate.CUDAGraphDecoder) with greedy argmax. Dense GB/s = (weights + KV cache) per "
+           f"CUDA graphs (engine.CUDAGraphDecoder) with greedy argmax. Dense GB/s = (weights + KV cache) per "
            f"step / dense time, against the {COPY_GBS} GB/s copy ceiling; byte limit = the bytes dense reads / "
            "the bytes WIDE must read at the masks its routers chose (the batch's union of live groups).", "",
            "| phase | batch | context | dense tok/s | WIDE tok/s | speedup | byte limit | dense GB/s (of copy) | "
@@ -400,7 +400,7 @@ def markdown(m):
                    f"{r['speedup']:.2f}x | {limit} | {rate} | {skip} | {union} |")
     out += ["", "Variants (ms per step): dense by policy ('triton' / 'sdpa' = the decode attention, 'cublas linears' = "
             "the linears through cuBLAS instead of WIDE's kernels with every group live, 'PDL off' = the best of those launched "
-            "without programmatic dependent launch); WIDE by policy ('default' = engine.Policy(); 'all sparse' = Q and "
+            "without programmatic dependent launch); WIDE by policy ('default' = Policy(); 'all sparse' = Q and "
             "O through their kernels at this batch, the FFN as the batch rule says; 'PDL off' = default without it):",
             ""]
     for r in rows:
@@ -469,8 +469,8 @@ def merge(record, rows, old):
 
 
 def e2e_meta(run, args, argv):
-    return meta(run.smoke, "bench_e2e.py", argv, copy_GBps=COPY_GBS, budget_s=args.budget_s,
-                policy=repr(engine.Policy()), rows=[],
+    return meta(run.smoke, "-m bench.e2e", argv, copy_GBps=COPY_GBS, budget_s=args.budget_s,
+                policy=repr(Policy()), rows=[],
                 model=f"{run.preset if not run.smoke else 'tiny (--smoke)'} shape, random {str(run.dtype)[6:]} "
                       f"weights (std 0.02); attention groups = one KV head's query heads, FFN groups of "
                       f"{run.ffn_group_size} channels",
@@ -497,8 +497,8 @@ def model_rows(run, parts, add, rows, log, record, out):
         add(lambda: fp8_row(run, m, batch, context, log), f"decode fp8 batch {batch}, context {context}")
     if "compile" in parts and not any("compiled_ms" in r for r in rows):
         add(lambda: compile_row(run, m, rows, log), "compile: dense engine vs torch.compile")
-    if "profile" in parts:  # its own results file (bench_profile.py), last: it recalibrates the routers
-        add(lambda: bench_profile.profile_rows(run, m, record, bench_profile.profile_out(out), log),
+    if "profile" in parts:  # its own results file (bench/step_profile.py), last: it recalibrates the routers
+        add(lambda: step_profile.profile_rows(run, m, record, step_profile.profile_out(out), log),
             "profile: one decode step, op by op")
 
 
@@ -569,7 +569,7 @@ def decode_rows(text):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = bench_common.parser(__doc__, "e2e_h200")
+    p = common.parser(__doc__, "-m bench.e2e", "e2e_h200")
     p.add_argument("--only", type=parts_list, default=None,
                    help=f"comma-separated parts to run, of: {', '.join(PARTS)} (default all)")
     p.add_argument("--decode", type=decode_rows, default=None,
@@ -579,7 +579,7 @@ def main(argv=None):
     p.add_argument("--small-dir", default="out", help="where to look for a trained router checkpoint")
     p.add_argument("--append", action="store_true", help="keep the rows of the parts not run from the --out file")
     args = p.parse_args(argv)
-    bench_common.prepare(args, "bench_e2e.py", argv, "e2e_h200")
+    common.prepare(args, "-m bench.e2e", argv, "e2e_h200")
     run = smoke_run() if args.smoke else Run()
     run.decode = args.decode or run.decode
     return run_e2e(run, args, argv)

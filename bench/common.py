@@ -3,9 +3,9 @@ What the benchmark scripts share: where a run may happen, how it is timed, what 
 and where it goes, and the random-weight model with calibrated routers that the end-to-end and serving
 benchmarks both run.
 
-    bench_kernels.py, bench_tune.py   one op at a time (kernel shapes, block sizes)
-    bench_e2e.py, bench_serve.py      a whole model (random_model below) through engine.Engine
-    mask_union.py                     trained routers on held-out text (save only)
+    bench/ops.py, bench/tune.py       one op at a time (bench/cases.py: kernel shapes, block sizes)
+    bench/e2e.py, bench/serving.py    a whole model (random_model below) through engine.Engine
+    research/mask_union.py            trained routers on held-out text (save only)
 
 Every benchmark has a --smoke mode: the same code on tiny fp32 shapes on the CPU, the kernels in the
 Triton interpreter (TRITON_INTERPRET=1). It runs every check, row builder and results writer; its times
@@ -23,7 +23,7 @@ import triton
 
 import cli
 import engine
-import kernels
+import kernels_base
 import wide
 from model import ModelConfig, Transformer, rope_frequencies
 
@@ -31,9 +31,9 @@ COPY_GBS, MATMUL_TFLOPS = 4220, 692  # measured H200 ceilings: device-to-device 
 
 
 # ----------------------------------------------------------------------------------- where a run happens
-def parser(doc, results):
-    """A benchmark's command line: the script's own flags go on top of --out and --smoke."""
-    p = cli.parser(doc)
+def parser(doc, script, results):
+    """A benchmark's command line (script: "-m bench.NAME"): its own flags go on top of --out and --smoke."""
+    p = cli.parser(doc, prog=script)
     p.add_argument("--out", default=None, help=f"output path prefix for .json/.md (default results/{results}; "
                    "--smoke: a temporary folder)")
     p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU under TRITON_INTERPRET=1: "
@@ -52,13 +52,13 @@ def prepare(args, script, argv, results):
 def need_device(smoke, script, argv):
     """One clear line when the run cannot happen here. Called after the flags are parsed (so a bad flag
     is what the user hears about first, on any machine), before anything is built."""
-    if smoke and not kernels.INTERPRET:
+    if smoke and not kernels_base.INTERPRET:
         cli.fail(f"--smoke runs the kernels in the Triton interpreter: TRITON_INTERPRET=1 python {script} "
                  f"{' '.join(argv)}")
-    if not smoke and kernels.INTERPRET:
+    if not smoke and kernels_base.INTERPRET:
         cli.fail("TRITON_INTERPRET=1 is set, so the kernels would run in the interpreter: unset it, or add --smoke")
     if not smoke and not torch.cuda.is_available():
-        cli.fail(f"{script} times kernels on a CUDA GPU; on a CPU, check that the code runs with "
+        cli.fail(f"python {script} times kernels on a CUDA GPU; on a CPU, check that the code runs with "
                  f"TRITON_INTERPRET=1 python {script} --smoke")
 
 
