@@ -12,7 +12,7 @@ name says what it is, written by run_name and read back by parse_run_name:
     out/layerskip-s0.25-stage2  the layer-skip baseline
 
     model, wcfg = load_wide(path)                                   # LoRA merged, its own dial folded in
-    model, wcfg, dial = load_dialled(path, 0.4, windows=data.dial_windows)  # dialled to another sparsity
+    model, wcfg, dialled = load_dialled(path, 0.4, windows=data.dial_windows)  # dialled to another sparsity
 
 A sparsity other than the checkpoint's own is calibrated once (calibrate, on windows the caller's
 function makes) and cached in the checkpoint's dial.json.
@@ -41,9 +41,9 @@ def save_wide(path, model, tokenizer, wcfg, train_state=None):
     save_checkpoint(path, model, tokenizer, extra_tensors=extra, extra_files=files)
 
 
-def load_wide(path, device="cpu", dtype=torch.float32, merge=True, dial=True):
+def load_wide(path, device="cpu", dtype=torch.float32, merge=True, offsets=True):
     """A WIDE or layer-skip checkpoint -> (model with routers, WideConfig). LoRA is merged by default;
-    the dial calibrated at the end of training (wcfg.offsets) is folded into the routers unless dial=False
+    the dial's offsets calibrated at the end of training (wcfg.offsets) are folded into the routers unless offsets=False
     (stage 2 starts from stage 1's raw routers; a new calibration starts from the raw routers too)."""
     file = os.path.join(path, "wide.json")
     if not os.path.isfile(file):
@@ -65,7 +65,7 @@ def load_wide(path, device="cpu", dtype=torch.float32, merge=True, dial=True):
     model.load_state_dict(extra, strict=False)
     if merge:
         merge_lora(model)
-    if dial and wcfg.offsets:
+    if offsets and wcfg.offsets:
         fold_offsets(model, wcfg.offsets)
     for name, p in model.named_parameters():  # routers stay fp32 (see wide.Router); buffers (RoPE) too
         if "router" not in name:
@@ -129,16 +129,15 @@ def nearest_checkpoint(out_dir, method, target):
 
 def load_dialled(path, target=None, attn_target=None, ffn_target=None, *, windows, device="cpu",
                  dtype=torch.float32, block_size=128, rule="keep_power"):
-    """A router checkpoint dialled to a sparsity: (model, wcfg, dial). At the checkpoint's own target the
+    """A router checkpoint dialled to a sparsity: (model, wcfg, dialled). At the checkpoint's own target the
     offsets calibrated in training are used; otherwise the raw routers are calibrated and the offsets
-    cached in PATH/dial.json (written atomically). dial: {"offsets", "targets", "source"}.
+    cached in PATH/dial.json (written atomically). dialled: {"offsets", "targets", "source"}.
 
     windows(tokenizer, block_size, n, seed) -> [n, block_size] token ids: the calibration windows (e.g.
     data.dial_windows, the training plays), made only when the cache does not hold these targets.
     rule: how dial.calibrate moves each router's rate. "keep_power" (the default) keeps the layers the
-    training protected: routers trained at 0.5 dialled to 0.75 reach 69.97 held-out ppl against 98.27
-    with "shift", and the two are within 0.2% of each other from 0.25 to 0.6 (results/quality.md)."""
-    model, wcfg = load_wide(path, device=device, dtype=dtype, dial=False)
+    training protected, which "shift" does not; results/quality.md scores both ("wide dial" rows)."""
+    model, wcfg = load_wide(path, device=device, dtype=dtype, offsets=False)
     if wcfg.method == "layerskip" and attn_target is not None:
         raise CheckpointError(f"{path!r} is a layer-skip checkpoint: give --sparsity, not attention/FFN targets")
     own = ((attn_target, ffn_target) == (wcfg.attn_target, wcfg.ffn_target) if attn_target is not None

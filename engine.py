@@ -40,8 +40,8 @@ from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
 from kernels_step import norm_route, rms_norm, rope_and_store
-from model import shared_by_vote
 from policy import Plan, Policy, Shape
+from wide import shared_by_vote
 
 
 def why_not_ready(model):
@@ -161,9 +161,9 @@ class Engine:
         shape = Shape(tokens, decode, start, {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16"),
                       self.weights == "fp8")
         routers = tuple((router_kind(l.attn_router), router_kind(l.ffn_router)) for l in self.model.layers)
-        if decode and any(f is not None for _, f in routers):  # the model's rules for FFN width, if it routes it
-            shape = shape._replace(dense_ffn=not self.model.routes_ffn(tokens, 1, True),
-                                   ffn_vote=self.model.ffn_vote_k(tokens, 1, True) is not None)
+        if decode and any(f is not None for _, f in routers):  # the model's FFN rule, if it routes the FFN
+            rule = self.model.ffn_rule
+            shape = shape._replace(dense_ffn=not rule.routes(tokens, True), ffn_vote=rule.votes_needed(tokens, True) or 0)
         if (shape, routers) not in self.plans:
             self.plans[shape, routers] = self.policy.plan(shape, routers)
         return self.plans[shape, routers]
@@ -227,7 +227,7 @@ class Engine:
         the RMSNorm and the router (norm_route), so a decode step has no separate launches for them."""
         n, head_mask = self.norm_route(ops["attn_norm"], x, layer.input_layernorm, layer.attn_router, masks, "attn")
         a = self.attention(layer, ops, n, step, head_mask, residual=x)
-        vote = self.model.ffn_vote_k(*x.shape[:2], True) if step.decode else None  # the vote rule, if on
+        vote = step.plan.shape.ffn_vote or None  # the vote rule: the rows an FFN group needs (wide.FFNRule)
         if ops["o"].runs == "Triton":  # the O projection's kernel already formed h = x + a
             h = a
             n, channel_mask = self.norm_route(ops["ffn_norm"], h, layer.post_attention_layernorm,

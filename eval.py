@@ -18,7 +18,7 @@ Rows:
                attention-leaning 75/25 routers if trained) with B held-out windows decoding side by side
                and a channel group run for the whole batch iff at least k of their tokens want it
   serving      bench/serving.py's profiles (the routers trained at 0.5 and at a0.75/f0.25), per token and under
-               the batch rule for FFN width (model.Transformer.routes_ffn) -> results/quality_serving.{json,md}
+               the batch rule for FFN width (wide.FFNRule) -> results/quality_serving.{json,md}
                (--serving-only: these rows alone, the quality table untouched)
   fp8          dense and WIDE (stage 2 at 0.5) with fp8 weights: the prunable linears (q, k, v, o, gate, up,
                down) rounded to e4m3 with one scale per output channel (kernels.quantize_fp8), as
@@ -213,9 +213,9 @@ def shared_rows(args, x, y):
 def serving_rows(args, x, y, dense_ppl):
     """The quality of bench/serving.py's router profiles, WIDE 50/50 and 75/25, taken as the routers trained
     at those targets (OUT/wide-s0.5-stage2, OUT/wide-a0.75-f0.25-stage2), each two ways: per-token routing
-    (a prompt token, and a token decoded in a step of at most ffn_router_max_decode_rows rows) and under
+    (a prompt token, and a token decoded in a step of at most wide.FFNRule's max_rows rows) and under
     the batch rule for FFN width (a token decoded in a step of more rows: its FFN runs whole, its attention
-    stays routed; model.Transformer.routes_ffn). A served request mixes the two by its batch sizes."""
+    stays routed). A served request mixes the two by its batch sizes."""
     rows = [dict(profile="dense", attn=0.0, ffn=0.0, ffn_rule="-", val_ppl=round(dense_ppl, 3), ppl_vs_dense=1.0)]
     for name, path, (a, f) in (("50/50", args.dial_from, (0.5, 0.5)),
                                ("75/25", os.path.join(args.out_dir, "wide-a0.75-f0.25-stage2"), (0.75, 0.25))):

@@ -197,8 +197,8 @@ def parse_args(argv):
 
 
 def load(args):
-    """(path, model, wcfg, dial): the checkpoint the flags name, dialled when they ask for a sparsity.
-    wcfg and dial are None for a dense model (and dial for a router checkpoint at its trained width)."""
+    """(path, model, wcfg, dialled): the checkpoint the flags name, dialled when they ask for a sparsity.
+    wcfg and dialled are None for a dense model (and dialled for a router checkpoint at its trained width)."""
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     path = args.checkpoint
     if path is None:
@@ -291,8 +291,8 @@ def compare_dense(args, model, forward, backend, idx, lengths):
 
 def main(argv=None):
     args = parse_args(argv)
-    path, model, wcfg, dial = load(args)
-    model.ffn_vote = args.ffn_vote
+    path, model, wcfg, dialled = load(args)
+    model.ffn_rule = wide.FFNRule(vote=args.ffn_vote)  # the batch rule unless --ffn-vote
     forward = engine.select(model.eval(), args.backend, weights=args.weights)  # the one backend switch
     backend = "triton" if isinstance(forward, engine.Engine) else "torch"
     if args.weights == "fp8" and backend == "torch":
@@ -313,10 +313,10 @@ def main(argv=None):
     widths = [{k: v.cpu() for k, v in w.items()} for w in widths]
 
     print(f"checkpoint: {path}" + (f" ({wcfg.method}, target {wide.trained_target(wcfg):g}, stage {wcfg.stage})" if wcfg else ""))
-    if dial:  # which offsets turned that checkpoint into the requested sparsity
-        target = " ".join(f"{k} {v:g}" for k, v in dial["targets"].items())
-        print(f"dial: {target}; offsets " + (describe_offsets(dial["offsets"]) if dial["offsets"] else "none")
-              + f" ({dial['source']})")
+    if dialled:  # which offsets turned that checkpoint into the requested sparsity
+        target = " ".join(f"{k} {v:g}" for k, v in dialled["targets"].items())
+        print(f"dial: {target}; offsets " + (describe_offsets(dialled["offsets"]) if dialled["offsets"] else "none")
+              + f" ({dialled['source']})")
     if backend == "triton":
         print("backend triton; where each op runs:\n" + forward.describe(*idx.shape))
     if args.show_width:

@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from wide import FFNRule, shared_by_vote
+
 
 class CheckpointError(ValueError):
     """A checkpoint directory that is missing, incomplete or unreadable. Scripts print it as one line."""
@@ -238,9 +240,9 @@ class Block(nn.Module):
         a = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, input_pos, head_mask)
         h = x + (a if gate is None else a * gate)
         channel_mask = ran = self.ffn_router(h) if self.ffn_router is not None and route_ffn else None
-        if channel_mask is not None and ffn_vote is not None:  # the vote rule (Transformer.ffn_vote)
+        if channel_mask is not None and ffn_vote is not None:  # the vote rule (wide.FFNRule)
             channel_mask = ran = shared_by_vote(channel_mask, ffn_vote)
-        if self.ffn_router is not None and not route_ffn:  # the batch rule (Transformer.routes_ffn): the
+        if self.ffn_router is not None and not route_ffn:  # the batch rule (wide.FFNRule): the
             ran = h.new_ones(*h.shape[:-1], self.ffn_router.n_groups, dtype=torch.float32)  # all ran
         f = self.mlp(self.post_attention_layernorm(h), channel_mask)
         if masks is not None:  # the decisions, for the sparsity bookkeeping (wide.skip_rates)
@@ -248,11 +250,6 @@ class Block(nn.Module):
                 if m is not None:
                     masks.setdefault(kind, []).append(m)
         return h + (f if gate is None else f * gate)
-
-
-def shared_by_vote(mask, k):
-    """mask [B, 1, G] of one decode step -> the same shape: a group runs for every row iff >= k rows want it."""
-    return (mask.sum(0, keepdim=True) >= k).to(mask.dtype).expand_as(mask)
 
 
 def is_wide_tensor(name):
@@ -272,32 +269,9 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self.causal_mask = None  # built by setup_caches: row p says which cache slots position p may see
-        # The batch rule for FFN width: a decode step of more rows than this runs the whole FFN, its
-        # routers not asked. The union of that many tokens' channel masks already covers nearly every
-        # group (results/mask_union.md), so skipping could save no weight bytes and the router and masks
-        # would only cost time. A token then gets more FFN width than its router asked for, never less;
-        # attention keeps its per-row routing (its KV-head skip pays at any batch). None: always route.
-        # The Triton engine's plan follows the same rule (engine.Engine.plan), so the two stay equal.
-        self.ffn_router_max_decode_rows = 4
-        # The vote rule for FFN width, off by default (None), and when set it replaces the batch rule: in a
-        # decode step an FFN channel group runs for every row iff at least ffn_vote of the step's rows want
-        # it (all of them, if the step has fewer rows). The batch then skips the groups few tokens want and
-        # reads fewer weight bytes, at a quality cost (eval.py's batch-shared rows); a token may lose a group
-        # its router asked for, so a request's output depends on its batch, as with MoE capacity limits.
-        self.ffn_vote = None
+        # How a decode step of many rows sets its FFN width (serving): the batch rule unless told otherwise.
+        self.ffn_rule = FFNRule()
         self.apply(self._init_weights)
-
-    def routes_ffn(self, rows, tokens_per_row, cached):
-        """Whether a step asks its FFN routers: always, except a decode step (one token per row, with a
-        KV cache) of more rows than ffn_router_max_decode_rows while the vote rule is off."""
-        limit = self.ffn_router_max_decode_rows
-        return self.ffn_vote is not None or not (cached and tokens_per_row == 1 and limit is not None and rows > limit)
-
-    def ffn_vote_k(self, rows, tokens_per_row, cached):
-        """The vote a decode step's FFN groups need (the vote rule), or None: not a decode step, or the rule off."""
-        if self.ffn_vote is None or not (cached and tokens_per_row == 1):
-            return None
-        return min(self.ffn_vote, rows)
 
     def _init_weights(self, m):
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -353,7 +327,8 @@ class Transformer(nn.Module):
         else:
             attn_mask = None if input_pos is None else self.causal_mask[None, None, input_pos]
         x = self.embed_tokens(idx)
-        route_ffn, vote = self.routes_ffn(B, T, input_pos is not None), self.ffn_vote_k(B, T, input_pos is not None)
+        decode = input_pos is not None and T == 1  # one token per row, attending to the cache
+        route_ffn, vote = self.ffn_rule.routes(B, decode), self.ffn_rule.votes_needed(B, decode)
         for layer in self.layers:
             # A fresh dict per layer: FSDP2 rebuilds the containers in a layer's arguments that hold
             # tensors needing gradients, so a dict already holding earlier layers' masks would be a copy.

@@ -32,10 +32,10 @@ class Shape(NamedTuple):
     start: int = 0         # a prefill chunk's first position (0: a whole prompt or its first chunk)
     dtype: str = "bf16"    # the model's dtype: "bf16", "fp16" or "fp32"
     fp8: bool = False      # Engine(weights="fp8"): the prunable linears' weights as e4m3 codes
-    dense_ffn: bool = False  # the batch rule for FFN width (model.Transformer.routes_ffn) turned this step's
-                             # FFN routers off: a decode step of many rows runs the whole FFN, as dense
-    ffn_vote: bool = False   # the vote rule (model.Transformer.ffn_vote): the step's rows share one FFN mask,
-                             # so the decode kernels skip the groups the vote drops for every row
+    dense_ffn: bool = False  # the batch rule (wide.FFNRule) turned this step's FFN routers off: a decode step
+                             # of many rows runs the whole FFN, as dense
+    ffn_vote: int = 0        # the vote rule (wide.FFNRule): the rows an FFN group needs (0: no vote); the rows
+                             # share one FFN mask, so the decode kernels skip the groups it drops for every row
 
 
 class Op(NamedTuple):
@@ -211,10 +211,10 @@ class Plan(NamedTuple):
         weights = "fp8 weights for the prunable linears" if s.fp8 else f"{s.dtype} weights"
         lines = [f"{what} of {s.tokens} token{'s' if s.tokens != 1 else ''}, {weights}:"]
         if s.ffn_vote:
-            lines.append("  (the vote rule: an FFN channel group runs for every row iff enough of the step's rows "
-                         "want it, model.ffn_vote)")
+            lines.append(f"  (the vote rule: an FFN channel group runs for every row iff {s.ffn_vote} of the step's "
+                         "rows want it, wide.FFNRule)")
         if s.dense_ffn:
-            lines.append("  (the batch rule: a decode step of more rows than the model's ffn_router_max_decode_rows "
+            lines.append("  (the batch rule: a decode step of more rows than the model's ffn_rule.max_rows "
                          "runs every FFN channel group; its routers are not asked)")
         groups = []  # (layer plan, [layer indices]) in first-seen order
         for i, ops in enumerate(self.layers):

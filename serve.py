@@ -39,10 +39,10 @@ Under stress (tests/test_serve_stress.py):
   positions, but a masked NaN still gives NaN (0 * NaN); one left in the row (a poisoned request, or a
   prompt cancelled between chunks, whose K/V nobody read back) would poison the slot's next occupants.
   A request that ends normally had its last logits read back finite; its row is left as it is.
-Greedy decoding only: with decode steps of at most model.ffn_router_max_decode_rows rows (4; None: any)
+Greedy decoding only: with decode steps of at most model.ffn_rule.max_rows rows (wide.FFNRule; None: any)
 every request's tokens are then those of generating it alone (up to rounding: a batch's
 kernels may sum in another order) (tests/test_serve.py checks it on the
-CPU for both backends); a larger step runs the whole FFN (the batch rule, model.Transformer.routes_ffn),
+CPU for both backends); a larger step runs the whole FFN (the batch rule),
 so a request's tokens then depend on the batch it ran in.
 """
 import contextlib

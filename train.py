@@ -313,7 +313,7 @@ def stage_model(args, wcfg, stage, device):
         wide.install_routers(model, wcfg)
         steps, lr = args.stage1_steps, args.stage1_lr
     else:
-        model, _ = load_wide(run_dir(args.out_dir, wcfg, 1), device=device, dial=False)  # stage 1's raw routers
+        model, _ = load_wide(run_dir(args.out_dir, wcfg, 1), device=device, offsets=False)  # stage 1's raw routers
         model.requires_grad_(False)
         wide.install_lora(model, args.lora_rank, args.lora_alpha)
         wcfg.lora_rank, wcfg.lora_alpha = args.lora_rank, args.lora_alpha

@@ -347,3 +347,40 @@ def last_width(masks, cfg, wcfg):
         return dict(layer=k, flops=flop_fraction(cfg, wcfg, None, None, [k] * L))
     a, f = keep["attn"], keep["ffn"]
     return dict(attn=a, ffn=f, flops=flop_fraction(cfg, wcfg, [a] * L, [f] * L))
+
+
+# ----------------------------------------------------------------------------------------------------
+# 8. serving (ours, not the paper's): the FFN width of a decode step of many rows
+
+
+@dataclass(frozen=True)
+class FFNRule:
+    """How a decode step of several rows (one token each, as serve.py batches requests) sets its FFN width.
+
+    A decode step reads every FFN group some row runs, and the union of a few tokens' channel masks covers
+    nearly every group (results/mask_union.md): per-token routing then saves no weight bytes and its router
+    and masks only cost time. So, with routing per row kept for attention (its KV-head skip pays anyway):
+      the batch rule (default): a decode step of more than `max_rows` rows runs the whole FFN, its routers
+        not asked: a token gets more FFN width than its router asked for, never less (None: always route);
+      the vote rule (`vote` = k, replacing the batch rule): a group runs for every row of a decode step iff
+        at least k rows want it (all of them, if the step has fewer): fewer weight bytes, at a quality cost
+        (eval.py's batch-shared rows), and a token may lose a group its router asked for.
+    Either way a request's output depends on its batch, as with MoE capacity limits. model.py applies the
+    rule; the Triton engine's plan (policy.py) reads it, so the two paths stay equal.
+    """
+    max_rows: int = 4
+    vote: int = None
+
+    def routes(self, rows, decode):
+        """Whether a step asks its FFN routers: always, except a decode step of more than max_rows rows
+        while the vote rule is off."""
+        return not decode or self.vote is not None or self.max_rows is None or rows <= self.max_rows
+
+    def votes_needed(self, rows, decode):
+        """The rows a group needs under the vote rule in a decode step of `rows` rows; None: no vote."""
+        return min(self.vote, rows) if decode and self.vote is not None else None
+
+
+def shared_by_vote(mask, k):
+    """mask [B, 1, G] of one decode step -> the same shape: a group runs for every row iff >= k rows want it."""
+    return (mask.sum(0, keepdim=True) >= k).to(mask.dtype).expand_as(mask)

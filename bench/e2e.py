@@ -16,7 +16,7 @@ What each part measures:
            (1, 1k), (1, 8k), (8, 1k), (32, 8k). Dense: the faster of the two dense decode attentions
            (Policy.dense_decode_attention). WIDE: the default Policy, and with more tokens than
            Policy.sparse_decode_max_tokens also Q and O through their kernels ("all sparse"; the FFN follows the
-           batch rule, model.ffn_router_max_decode_rows).
+           batch rule, wide.FFNRule).
            Each row carries dense_GBps = (weights + KV cache a step must read) / dense step time, its
            share of the 4220 GB/s copy ceiling, and the byte limit of the speedup at the masks the
            routers chose (the bytes dense reads / the bytes WIDE must read).
@@ -53,7 +53,7 @@ from bench.common import (COPY_GBS, SMOKE, ModelRun, calibrate_routers, clock_ms
 from generate import generate
 from model import CheckpointError
 from policy import Policy
-from wide import routers_off, routers_on
+from wide import FFNRule, routers_off, routers_on
 
 
 @dataclass
@@ -226,15 +226,15 @@ def decode_row(run, m, batch, context, log):
             wide_ms["PDL off"] = with_engine(m, True, Policy(),
                                              lambda e: time_decode(run, e, batch, context, steps)[0])
         log(f"  WIDE (default, without PDL): {wide_ms['PDL off']:.3f} ms")
-    # The vote rule (model.ffn_vote, off by default: it changes what a token computes), timed on the side:
+    # The vote rule (wide.FFNRule, off by default: it changes what a token computes), timed on the side:
     # an FFN group runs for the whole batch iff >= k rows want it. Never the row's headline WIDE time.
     votes = {}
     for k in (batch // 4, batch // 2) if batch > Policy().sparse_decode_max_tokens else ():
-        m.ffn_vote = k
+        m.ffn_rule = FFNRule(vote=k)
         try:
             ms, got = with_engine(m, True, Policy(), lambda e: time_decode(run, e, batch, context, steps))
         finally:
-            m.ffn_vote = None
+            m.ffn_rule = FFNRule()
         votes[k] = dict(ms=ms, speedup=min(dense.values()) / ms, ffn_union_live=got["ffn_union_live"])
         log(f"  WIDE, vote k={k}: {ms:.3f} ms, FFN groups live {got['ffn_union_live']:.1%}")
     d_attn, d_ms = min(dense.items(), key=lambda kv: kv[1])

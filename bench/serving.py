@@ -265,7 +265,7 @@ def serving_meta(w, run, args, argv, m, slot_len):
     gib = cache_bytes(m.config, w.n_slots, slot_len, m.embed_tokens.weight.element_size()) / 2 ** 30
     return meta(run.smoke, "-m bench.serving", argv, rows=[], policy=repr(Policy()), workload_name=w.name,
                 slots=w.n_slots, slot_len=slot_len, kv_cache_gib=round(gib, 2), requests=w.requests,
-                profiles=[list(p) for p in w.profiles], ffn_router_max_decode_rows=m.ffn_router_max_decode_rows,
+                profiles=[list(p) for p in w.profiles], ffn_router_max_decode_rows=m.ffn_rule.max_rows,
                 quality_file=QUALITY, quality=load_quality(QUALITY, w.profiles),
                 model=f"{'tiny (--smoke)' if w.smoke else w.preset} shape, random {str(run.dtype)[6:]} weights; "
                       f"routers calibrated per profile on a random {run.calibrate_tokens}-token prompt",

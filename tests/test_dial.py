@@ -188,7 +188,7 @@ def test_offsets_travel_in_wide_json_and_load_wide_folds_them(tmp_path, tokenize
     loaded, w2 = checkpoints.load_wide(str(tmp_path / "c"))
     assert w2.offsets == w.offsets
     assert realized(loaded, WINDOWS) == realized(model, WINDOWS, w.offsets)
-    raw, _ = checkpoints.load_wide(str(tmp_path / "c"), dial=False)  # stage 2 starts from the raw routers
+    raw, _ = checkpoints.load_wide(str(tmp_path / "c"), offsets=False)  # stage 2 starts from the raw routers
     assert realized(raw, WINDOWS) == realized(model, WINDOWS)
 
 

@@ -186,7 +186,7 @@ def test_the_plan_names_every_op_it_sends_to_cublas():
     prefill, decode = e.plan(74, False).text(), e.plan(5, True).text()
     assert "O proj             cuBLAS         one cuBLAS GEMM on the masked input" in prefill
     assert "O proj             cuBLAS         one cuBLAS GEMM on the masked input" in decode  # 5 > 4 tokens
-    # and the batch rule (model.routes_ffn): 5 rows > 4, the FFN runs dense, its routers not asked
+    # and the batch rule (wide.FFNRule): 5 rows > 4, the FFN runs dense, its routers not asked
     assert "down proj          cuBLAS         one cuBLAS GEMM (nothing routed here)" in decode and "batch rule" in decode
     assert "lm_head            cuBLAS" in prefill and "lm_head            cuBLAS" in decode
 

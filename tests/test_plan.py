@@ -16,6 +16,7 @@ import torch
 import engine
 import policy
 from policy import Policy
+from wide import FFNRule
 from test_e2e import ALL_SPARSE, DEV, wide_model
 
 SHAPES = {  # name -> (routers, weights, batch, tokens per row, chunk start or None for a decode step)
@@ -52,8 +53,8 @@ def run_step(e, m, B, T, start):
 def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread):
     routers, weights, B, T, start = SHAPES[name]
     m = wide_model(routers=routers)
-    if "rule off" in name or "all sparse" in name:  # routed FFN at more than 4 rows (model.routes_ffn)
-        m.ffn_router_max_decode_rows = None
+    if "rule off" in name or "all sparse" in name:  # routed FFN at more than 4 rows (wide.FFNRule)
+        m.ffn_rule = FFNRule(max_rows=None)
     pol = ALL_SPARSE if "all sparse" in name else Policy(dense_gemv_max_tokens=0) if "cuBLAS" in name else None
     if "threshold" in name:  # at the default 1024 tokens the interpreter takes 5x longer for the same plan
         pol = Policy(sparse_prefill_min_tokens=B * T)
@@ -94,7 +95,7 @@ def decode_step_logits(forward, B, masks=None, seed=0, between=lambda: None):
 
 
 def test_the_batch_rule_runs_the_whole_ffn_of_a_decode_step_of_many_rows():
-    # The reference (model.py): a decode step of more rows than ffn_router_max_decode_rows does not ask its
+    # The reference (model.py): a decode step of more rows than ffn_rule.max_rows does not ask its
     # FFN routers, so it equals the same model with the FFN routers removed for that step, and the masks
     # it records say every group ran; at 4 rows the routers still decide. Prefill is never affected.
     m = wide_model()
@@ -105,7 +106,7 @@ def test_the_batch_rule_runs_the_whole_ffn_of_a_decode_step_of_many_rows():
             ffn_ran = torch.stack([g.float() for g in got["ffn"]])
             assert bool(ffn_ran.eq(1).all()) == ruled, B
             routers = [l.ffn_router for l in m.layers]
-            m.ffn_router_max_decode_rows = None  # route every step
+            m.ffn_rule = FFNRule(max_rows=None)  # route every step
             routed = decode_step_logits(m, B)
 
             def drop_ffn_routers():  # the same routed prefill, then a decode step without FFN routers
@@ -114,10 +115,10 @@ def test_the_batch_rule_runs_the_whole_ffn_of_a_decode_step_of_many_rows():
             unrouted_ffn = decode_step_logits(m, B, between=drop_ffn_routers)
             for l, r in zip(m.layers, routers):
                 l.ffn_router = r
-            m.ffn_router_max_decode_rows = 4
+            m.ffn_rule = FFNRule()
             want = unrouted_ffn if ruled else routed
             assert torch.allclose(out, want, atol=1e-5) and not torch.allclose(routed, unrouted_ffn, atol=1e-3), B
-        assert m.routes_ffn(8, 7, True) and m.routes_ffn(8, 1, False) and not m.routes_ffn(5, 1, True)
+        assert m.ffn_rule.routes(8, decode=False) and m.ffn_rule.routes(4, decode=True) and not m.ffn_rule.routes(5, decode=True)
 
 
 @pytest.mark.parametrize("limit", [4, None])
@@ -125,7 +126,7 @@ def test_the_engine_follows_the_batch_rule_of_its_model(limit, one_thread):
     # Engine and reference agree at 8 rows with the rule on (FFN dense) and off (FFN routed, cuBLAS on the
     # masked input), and record the same masks.
     m, ref = wide_model(), wide_model()
-    m.ffn_router_max_decode_rows = ref.ffn_router_max_decode_rows = limit
+    m.ffn_rule = ref.ffn_rule = FFNRule(max_rows=limit)
     got, want_masks = {}, {}
     with torch.no_grad():
         out = decode_step_logits(engine.Engine(m), 8, got)
@@ -201,7 +202,7 @@ def test_the_printed_plan_names_every_op_where_it_runs():
 
 @pytest.mark.parametrize("k", [2, 5])
 def test_the_vote_rule_shares_one_ffn_mask_per_decode_step(k):
-    # The reference (model.py) under Transformer.ffn_vote = k: at 8 rows a channel group runs for every row
+    # The reference (model.py) under FFNRule(vote=k): at 8 rows a channel group runs for every row
     # iff >= k rows' routers want it, and the step equals the same model with each FFN router's decision
     # replaced by that vote; a step of fewer rows than k needs all of them; prefill is never voted.
     m = wide_model()
@@ -218,10 +219,10 @@ def test_the_vote_rule_shares_one_ffn_mask_per_decode_step(k):
 
     with torch.no_grad():
         for B in (8, 3):
-            m.ffn_vote = k
+            m.ffn_rule = FFNRule(vote=k)
             got = {}
             out = decode_step_logits(m, B, got)
-            m.ffn_vote, m.ffn_router_max_decode_rows = None, None  # per-token routing at any batch, by hand
+            m.ffn_rule = FFNRule(max_rows=None)  # per-token routing at any batch, by hand
 
             def by_hand():
                 for l, r in zip(m.layers, routers):
@@ -230,19 +231,19 @@ def test_the_vote_rule_shares_one_ffn_mask_per_decode_step(k):
             for l, r in zip(m.layers, routers):
                 l.ffn_router = r
             plain = decode_step_logits(m, B)
-            m.ffn_router_max_decode_rows = 4
+            m.ffn_rule = FFNRule()
             assert torch.allclose(out, want, atol=1e-5) and not torch.allclose(out, plain, atol=1e-3), (B, k)
             for mask in got["ffn"]:
                 assert bool((mask == mask[:1]).all()), "every row of a voted step runs the same groups"
-    assert m.ffn_vote_k(8, 1, True) is None and m.routes_ffn(8, 1, True) is False  # off by default
+    assert m.ffn_rule.votes_needed(8, decode=True) is None and m.ffn_rule.routes(8, decode=True) is False  # off by default
 
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_the_engine_follows_the_vote_rule_and_its_kernels_skip_what_the_vote_drops(k, launches, one_thread):
-    # Engine == reference at 8 rows under the vote; the FFN runs through gemv_mn and gemm_k (which skip the
+    # Engine == reference at 8 rows under the vote; the FFN runs through gemm_mn's decode GEMV and gemm_k (which skip the
     # groups no row runs: with one shared mask, the ones the vote drops), as the plan lists.
     m, ref = wide_model(), wide_model()
-    m.ffn_vote = ref.ffn_vote = k
+    m.ffn_rule = ref.ffn_rule = FFNRule(vote=k)
     e = engine.Engine(m)
     got, want_masks = {}, {}
     with torch.no_grad():
