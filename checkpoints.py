@@ -1,11 +1,8 @@
 """
 Router checkpoints: what train.py writes after each stage and what generate.py, eval.py and the benchmarks
-load back.
-
-A router checkpoint is a dense checkpoint directory (model.save_checkpoint: config.json, model.safetensors,
-tokenizer.json) whose safetensors file also holds the router and LoRA tensors, plus wide.json (the
-WideConfig, with the dial its stage calibrated) and train_state.json (how it was trained). Its directory
-name says what it is, written by run_name and read back by parse_run_name:
+load back. A router checkpoint is a dense checkpoint directory (model.save_checkpoint) whose safetensors
+file also holds the router and LoRA tensors, plus wide.json (the WideConfig, with the dial its stage
+calibrated) and train_state.json. Its directory name says what it is (run_name, parse_run_name):
 
     out/wide-s0.5-stage1        WIDE, shared target 0.5, stage 1
     out/wide-a0.6-f0.4-stage2   WIDE, attention target 0.6 and FFN target 0.4, stage 2
@@ -14,8 +11,7 @@ name says what it is, written by run_name and read back by parse_run_name:
     model, wcfg = load_wide(path)                                   # LoRA merged, its own dial folded in
     model, wcfg, dialled = load_dialled(path, 0.4, windows=data.dial_windows)  # dialled to another sparsity
 
-A sparsity other than the checkpoint's own is calibrated once (calibrate, on windows the caller's
-function makes) and cached in the checkpoint's dial.json.
+A sparsity other than the checkpoint's own is calibrated once and cached in the checkpoint's dial.json.
 """
 import json
 import os
@@ -54,7 +50,10 @@ def load_wide(path, device="cpu", dtype=torch.float32, merge=True, offsets=True)
     except (json.JSONDecodeError, TypeError) as e:
         raise CheckpointError(f"{file} is corrupt ({e})") from None
     model = Transformer.from_pretrained(path, device=device)  # fp32 until LoRA is merged
-    install_routers(model, wcfg)
+    try:
+        install_routers(model, wcfg)
+    except ValueError as e:  # group sizes that do not divide this model's heads or channels
+        raise CheckpointError(f"{file} does not fit the model in {path!r}: {e}") from None
     if wcfg.lora_rank:
         install_lora(model, wcfg.lora_rank, wcfg.lora_alpha)
     extra = {k[len("model."):]: v for k, v in load_safetensors_dir(path).items() if is_wide_tensor(k)}

@@ -2,18 +2,21 @@
 What every script shares at its command line: one way to leave with an error, flags that are checked
 as they are parsed, and the --device rule.
 
-A user's mistake (a flag out of range, a missing checkpoint, CUDA asked for where there is none) ends
-in one line on stderr naming the problem and the fix, and a non-zero exit; never a traceback:
+A user's mistake (a flag out of range, a missing checkpoint, CUDA asked for where there is none, an output
+directory that cannot be written) ends in one line on stderr naming the problem and the fix, and a
+non-zero exit; never a traceback:
   * `Parser` is argparse whose errors are one line (exit code 2);
   * `fail(message)` leaves from anywhere with "error: message" (exit code 1);
-  * `run(main)` is how a script's `__main__` calls its main: a CheckpointError or ValueError that
-    escapes (a bad checkpoint, a shape the kernels refuse) becomes the same one line.
-The `integer` / `real` / `fraction` types check numeric flags when argparse reads them, so a value
-like `--steps -3`, `--lr nan` or `--sparsity 1.2` is refused before anything runs.
+  * `UserError` is what the project's modules raise for such a mistake (model.CheckpointError is one);
+    `run(main)`, how a script's `__main__` calls its main, turns it into the same one line. Any other
+    exception is a bug and keeps its traceback.
+The `integer` / `real` / `fraction` types check numeric flags when argparse reads them, and
+`writable_dir` checks an output directory before any work starts.
 """
 import argparse
 import math
-import sys
+import os
+import tempfile
 
 import torch
 
@@ -37,13 +40,29 @@ def fail(message):
     raise SystemExit(f"error: {message}")
 
 
+class UserError(ValueError):
+    """A mistake in what the user gave (a flag, a path, a checkpoint, a model the kernels cannot run); its
+    message says what is wrong and what to do. A ValueError, so library callers may treat it as one."""
+
+
 def run(main, *args):
-    """Call a script's main; a CheckpointError or ValueError that reaches here is a user's problem with
-    what was given (the message says which and what to do), so it leaves as one line."""
+    """Call a script's main; a UserError that reaches here leaves as one line, anything else with its
+    traceback (a bug must show where it happened)."""
     try:
         return main(*args)
-    except ValueError as e:  # model.CheckpointError is a ValueError
+    except UserError as e:
         fail(e)
+
+
+def writable_dir(path, flag):
+    """Leave with one line unless files can be written in directory `path` (made if it is missing). Called
+    before any work starts, so a run never trains or measures for minutes and then fails to save."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        fail(f"{flag} {path}: cannot write there ({e.strerror or e}); give a directory you can write to")
 
 
 # ---------------------------------------------------------------------------------------------------

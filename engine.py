@@ -1,32 +1,17 @@
 """
-The Triton inference path: the model of model.py (and the routers of wide.py), run so that the work
-of every skipped group is never done.
+The Triton inference path: the model of model.py (and the routers of wide.py), run so that the work of
+every skipped group is never done. A one-token decode step, layer by layer (policy.py plans every shape):
 
-    x ─► route (fused router kernels) ─► head_mask ─► layout ─► gemm_mn: Q proj, live groups only
-      ─► RMSNorm (fused) ─► K/V proj (cuBLAS, never pruned) ─► RoPE + KV-cache write (fused)
-      ─► attention over live head groups (kernels_attention.py) ─► gemm_k: O proj over live groups
-      ─► residual + RMSNorm (fused) ─► route ─► channel_mask ─► gemm_mn: gate+up + SwiGLU, live groups
-      ─► gemm_k: down proj over live groups ─► residual
+    x ─► norm_route: residual add + RMSNorm + the attention router, one kernel ─► head_mask
+      ─► gemm_mn's decode GEMV: Q's live groups, then K and V as its dense tail, one weight stream
+      ─► RoPE + KV-cache write ─► decode attention over the live KV heads ─► gemm_k: O, + residual
+      ─► norm_route (FFN router) ─► gemm_mn: gate+up, live groups, silu(gate)*up ─► gemm_k: down, + residual
 
-One switch picks the path, in one place: `select(model, backend)` returns either the model itself
-(backend "torch": dense compute, skipped groups zeroed; the reference and the training path) or an
-`Engine` over the same weights (backend "triton"). In the engine every op runs its Triton kernel, on
-a GPU or under TRITON_INTERPRET=1 on the CPU, or the call fails; nothing falls back to a twin.
-
-Which op runs where is decided in one place, policy.py: for each step's shape `Policy.plan` lists every
-op with where it runs (Triton, or cuBLAS / SDPA where that is exact and faster) and on which weights;
-the engine runs straight through that plan (it has no thresholds of its own), and
-`generate.py --backend triton` prints it.
-
-fp8 weights (`Engine(model, weights="fp8")`, generate.py --weights fp8): the prunable linears' weights
-(Q, K and V as one fused tensor, O, gate+up, down) are quantized once to e4m3 with one scale per output
-channel; the embeddings and lm_head stay in the model dtype. Steps of at most policy.GEMV_MAX_TOKENS tokens run
-the fp8 decode kernels (the dense model too, every group live); longer ones dequantize and run as bf16.
-
-The small fused kernels of this path (residual add + RMSNorm + router, RoPE with the KV-cache write)
-live in kernels_step.py, each after its PyTorch twin. Inference only: prefills (whole, or in chunks
-at shared positions, as serve.py feeds them) and one-token decode steps at per-row positions; a CUDA
-graph replays a decode step (generate.py).
+`select(model, backend)` is the one switch: "torch" returns the model itself (the reference), "triton" an
+`Engine` over the same weights, whose ops run their Triton kernels (on a GPU, or under TRITON_INTERPRET=1 on
+a CPU) or cuBLAS / SDPA where the plan says so, never a twin. fp8 weights (`weights="fp8"`): the prunable
+linears quantized once to e4m3, one scale per output channel, read as codes by the decode kernels.
+CUDAGraphDecoder replays a decode step as a CUDA graph (generate.py, serve.py, the benchmarks).
 """
 import time
 from typing import NamedTuple
@@ -35,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cli
 import kernels
 from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
@@ -105,7 +91,7 @@ def router_kind(router):
     return "wide" if isinstance(down, nn.Linear) and down.weight.dtype == torch.float32 else "other"
 
 
-class Step(NamedTuple):
+class StepInputs(NamedTuple):
     decode: bool            # one token per row attending to the cache; else a prefill from position `start`
     cos: torch.Tensor       # [B*T, head_dim] per token
     sin: torch.Tensor
@@ -127,9 +113,9 @@ class Engine:
             raise ValueError(f"weights must be bf16 (the model's own dtype) or fp8, got {weights!r}")
         problem = why_not_ready(model)
         if problem:
-            raise ValueError(f"backend triton cannot run this model: {problem}; use --backend torch")
+            raise cli.UserError(f"backend triton cannot run this model: {problem}; use --backend torch")
         if not (model.embed_tokens.weight.is_cuda or INTERPRET):
-            raise ValueError("backend triton needs the model on a CUDA GPU (or TRITON_INTERPRET=1 on a CPU); "
+            raise cli.UserError("backend triton needs the model on a CUDA GPU (or TRITON_INTERPRET=1 on a CPU); "
                              "use --backend torch")
         self.model, self.config, self.policy = model, model.config, policy or Policy()
         with torch.no_grad():
@@ -155,7 +141,7 @@ class Engine:
     def clear_caches(self):
         return self.model.clear_caches()
 
-    def plan(self, tokens, decode, start=0):
+    def step_plan(self, tokens, decode, start=0):
         """The plan of a step of `tokens` tokens (B * T) with the model's routers as they are now."""
         dtype = self.model.embed_tokens.weight.dtype
         shape = Shape(tokens, decode, start, {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16"),
@@ -171,9 +157,9 @@ class Engine:
     def describe(self, batch, prompt_len):
         """Where each op runs in a generation of `batch` prompts of `prompt_len` tokens: the plans of its
         prefill and of its decode steps, as generate.py --backend triton prints them."""
-        return self.plan(batch * prompt_len, False).text() + "\n" + self.plan(batch, True).text()
+        return self.step_plan(batch * prompt_len, False).text() + "\n" + self.step_plan(batch, True).text()
 
-    def step(self, idx, input_pos):
+    def inputs(self, idx, input_pos):
         m = self.model
         if m.training or torch.is_grad_enabled():
             raise RuntimeError("the Triton engine is inference only: call it under torch.no_grad() on an "
@@ -191,7 +177,7 @@ class Engine:
         else:
             raise ValueError("the Triton engine runs prefills (whole or chunked) at shared positions and "
                              "one-token decode steps; several tokens at per-row positions need the torch backend")
-        plan = self.plan(B * T, decode, start)
+        plan = self.step_plan(B * T, decode, start)
         pos = (torch.arange(T, device=idx.device) if input_pos is None else input_pos).expand(B, T)
         cos, sin = m.rope(pos)                                           # [B, T, head_dim]
         d = cos.shape[-1]
@@ -206,7 +192,7 @@ class Engine:
         every_head = None
         if "step_every_head" in plan.step:
             every_head = layout(torch.ones(B, T, m.config.n_kv_heads, dtype=torch.bool, device=idx.device))
-        return Step(decode, cos, sin, slot, kv_len, all_heads, visible, start, every_head, plan)
+        return StepInputs(decode, cos, sin, slot, kv_len, all_heads, visible, start, every_head, plan)
 
     def __call__(self, idx, input_pos=None, logits_at=None, masks=None):
         """idx [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] at logits_at), as Transformer.forward."""
@@ -214,7 +200,7 @@ class Engine:
         B, T = idx.shape
         if input_pos is None and T > self.config.max_seq_len:
             raise ValueError(f"{T} tokens do not fit the context of {self.config.max_seq_len}")
-        step = self.step(idx, input_pos)
+        step = self.inputs(idx, input_pos)
         x = m.embed_tokens(idx)
         for layer, ops in zip(m.layers, step.plan.layers):
             x = self.block(layer, ops, x, step, masks)

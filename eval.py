@@ -1,30 +1,16 @@
 """
 The quality table: held-out perplexity of every method on the held-out plays, next to the sparsity the
-routers actually realized there and the fraction of linear-layer FLOPs actually executed, and again at
-matched executed FLOPs.
+routers realized there and the fraction of linear-layer FLOPs executed, and again at matched FLOPs.
 
     python eval.py   # reads out/, writes results/quality.json, results/quality.md and results/quality.png
     python eval.py --out-dir out-gpu --name quality_gpu   # the GPU-budget models (train.py --recipe gpu)
 
-Rows:
-  dense        out/base
-  wide         stage 1 and stage 2 of every target trained under out/ (train.py --sparsity ..., or
-               --attn-sparsity/--ffn-sparsity), each with the dial its stage calibrated to its own target
-  wide dial    the stage-2 routers trained at --dial-from (0.5) dialled to other sparsities (--dial):
-               checkpoints.load_dialled, offsets cached in the checkpoint's dial.json
-  layerskip    stage 1 and stage 2 of every layer-skip target (train.py --method layerskip)
-  static, teal the training-free baselines, calibrated here on training text (baselines.py)
-  shared       batch-shared FFN routing at serving time (BatchShared): WIDE stage 2 at 0.5 (and the
-               attention-leaning 75/25 routers if trained) with B held-out windows decoding side by side
-               and a channel group run for the whole batch iff at least k of their tokens want it
-  serving      bench/serving.py's profiles (the routers trained at 0.5 and at a0.75/f0.25), per token and under
-               the batch rule for FFN width (wide.FFNRule) -> results/quality_serving.{json,md}
-               (--serving-only: these rows alone, the quality table untouched)
-  fp8          dense and WIDE (stage 2 at 0.5) with fp8 weights: the prunable linears (q, k, v, o, gate, up,
-               down) rounded to e4m3 with one scale per output channel (kernels.quantize_fp8), as
-               engine.Engine(weights="fp8") serves them; next to the same models in their own dtype
-Routing is deterministic (eval mode) throughout. Per-layer realized sparsity goes to quality.json and a
-table of quality.md.
+Rows: dense (out/base); wide, stages 1 and 2 of every target trained under out/, each with its own dial;
+wide dial, the stage-2 routers of --dial-from dialled to other sparsities (--dial); layerskip; static and
+teal, the training-free baselines (baselines.py); shared, batch-shared FFN routing of B held-out windows
+decoding side by side (BatchShared); serving, bench/serving.py's profiles per token and under the batch
+rule (-> results/quality_serving.*; alone with --serving-only); fp8, dense and WIDE with the prunable
+linears rounded to e4m3 as engine.Engine(weights="fp8") serves them. Routing is deterministic throughout.
 """
 import argparse
 import inspect
@@ -395,6 +381,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.replot:
         return replot(args.replot)
+    cli.writable_dir(args.results, "--results")
     cfg = Transformer.config_from_dir(os.path.join(args.out_dir, "base"))  # no trained model yet: one clear line
     x, y, calib = texts(args)
 
@@ -559,7 +546,7 @@ def plot(rows, baseline_rows, dense_ppl, path, out_dir="out"):
     ax.set_yscale("log")
     top = max([r["val_ppl"] for rs in series.values() for r in rs] + [dense_ppl])
     bottom = min([r["val_ppl"] for rs in series.values() for r in rs] + [dense_ppl])
-    ax.set_ylim(bottom * 0.97, min(top * 1.05, dense_ppl * 4))  # static width at 0.75 (6x dense) is off the top
+    ax.set_ylim(bottom * 0.97, min(top * 1.05, dense_ppl * 4))  # static width at 0.75 is off the top
     ax.set_xlabel("executed linear FLOPs (% of dense)")
     ax.set_ylabel("held-out perplexity (log scale)")
     ax.set_title(f"Quality against executed FLOPs (held-out plays; models of {out_dir}/)")

@@ -7,20 +7,11 @@ token at a time, each attending to the cache).
     python generate.py --sparsity 0.5 --compare-dense    # tokens/s of WIDE next to the dense model
     python generate.py --checkpoint path/to/hf-llama-dir  # any local HF Llama directory works too
 
-With --sparsity S (any S in [0, 1)) the router checkpoint trained for the nearest target is used (stage 2
-if present, else stage 1) and dialled to S: per-(layer, router type) offsets on the routers' skip-minus-
-execute gap, calibrated on training windows and cached in the checkpoint's dial.json (checkpoints.load_dialled);
---attn-sparsity A --ffn-sparsity F dial the two router types separately. The checkpoint and offsets used,
-the realized attention/FFN sparsity and the executed fraction of linear FLOPs are printed.
-
---backend: "torch" is the dense-masked reference (every layer computed, skipped groups zeroed);
-"triton" runs the pruned ops through kernels.py, skipping their work; "auto" (default) is triton on a
-GPU. On a GPU each decode step is captured once as a CUDA graph and replayed (gpt-fast's
-"reduce-overhead", by hand). --compare-dense runs the same prompts again with the routers switched
-off, in the same engine, and prints both speeds. Several --prompt flags generate one batch of prompts
-of different lengths (right-padded; each row decodes at its own positions).
-
-An empty prompt (--prompt "") starts from the end-of-text token, i.e. the model begins a new passage.
+--sparsity S (any S in [0, 1); or --attn-sparsity A --ffn-sparsity F) dials the routers trained for the
+nearest target to S (checkpoints.load_dialled) and prints the realized sparsity and executed FLOPs.
+--backend torch is the dense-masked reference; triton skips the pruned work (engine.py; on a GPU each
+decode step replays as a CUDA graph); auto is triton on a GPU. Several --prompt flags make one batch of
+prompts of different lengths; an empty prompt starts a new passage from the end-of-text token.
 """
 import os
 
@@ -131,7 +122,7 @@ def encode_prompt(tok, prompt):
     if prompt == "":
         eot = tok.token_to_id(EOT)
         if eot is None:
-            raise ValueError("empty prompt: this tokenizer has no end-of-text token to start from; give --prompt")
+            raise cli.UserError("empty prompt: this tokenizer has no end-of-text token to start from; give --prompt")
         return [eot]
     return tok.encode(prompt).ids
 

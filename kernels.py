@@ -1,26 +1,18 @@
 """
-WIDE kernels: compute only the (token, group) blocks that the routers switched on.
+WIDE kernels: compute only the (token, group) blocks that the routers run.
 
-Every op has two implementations driven by the same bool mask (True = the group executes):
-  * a PyTorch reference twin (`*_ref`): compute dense, then zero the pruned slots. It is the
-    meaning of the op and the ground truth of the tests.
-  * Triton kernels that skip the pruned work: mask reordering (`layout`), block-level skipping
-    (a tile with no active token exits before loading anything) and intra-block skipping
-    (inactive rows inside a live tile are predicated off, so they cost no memory traffic).
-The public ops (`layout`, `gemm_mn`, `gemm_k`, and the attention ops in kernels_attention.py) always
-launch their Triton kernels, on a CUDA tensor or under TRITON_INTERPRET=1 on the CPU, and fail loudly
-otherwise; nothing here falls back to a twin. Which backend a model runs is decided once, in engine.py.
+Every op has two implementations driven by the same bool mask (True = the group is live for the token):
+a PyTorch reference twin (`*_ref`: compute dense, zero the pruned slots; the meaning of the op and the
+tests' ground truth) and Triton kernels that skip the pruned work: block skip (a tile with no live token
+exits before any load, once the layout has made each group's live tokens contiguous) and intra-block skip
+(rows that skip, inside a live tile, are predicated off). The ops launch their kernels (a CUDA tensor, or
+TRITON_INTERPRET=1 on the CPU) or fail; nothing falls back to a twin. Pruned outputs are exactly 0.
 
-Ops (shapes as the model calls them):
-  layout(mask[M,G])                          -> Layout (counts, stable perm, work list): kernels_layout.py
   gemm_mn(x[M,K], w[N,K], mask, group_size)  -> [M,N]  Q proj; gate+up fused with silu(gate)*up
   gemm_k(a[M,K], w[N,K], mask, group_size)   -> [M,N]  O proj, down proj: (a * mask) @ w.T
-  (attention over the active head groups, prefill and decode: kernels_attention.py)
-Pruned outputs are exactly 0 in both backends.
-
-fp8 weights (weight-only, e4m3, one fp32 scale per output channel: `quantize_fp8`): gemm_mn and gemm_k take
-`w_scale`; the kernels load the fp8 bytes of the live groups only, accumulate in fp32 and multiply the
-channel's scale in the epilogue. The twins dequantize (`dequantize_fp8`) and run the same reference.
+  (the layout: kernels_layout.py; attention over the live head groups: kernels_attention.py)
+fp8 weights (e4m3, one fp32 scale per output channel, `quantize_fp8`): the kernels read the live groups'
+codes, sum in fp32 and apply the channel's scale in the epilogue; the twins dequantize first.
 """
 import torch
 import torch.nn.functional as F
@@ -139,7 +131,7 @@ def _codes_f32(w, FP8: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step(x, w, w_up, lst, step, end, t, M, K, KS, sxm, swn, GS: tl.constexpr,
+def _gemv_block(x, w, w_up, lst, step, end, t, M, K, KS, sxm, swn, GS: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr):
     # Loads of one step: chunk step // KS (BN rows of one live group), K slice step % KS.
     chunk, k0 = step // KS, (step % KS) * BK
@@ -198,11 +190,11 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
     else:
         acc = tl.zeros([BT, BN], tl.float32)
         acc_up = tl.zeros([BT, BN], tl.float32)
-    a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_step(x, w, w_up, lst, begin, end, t, M, K, KS, sxm, swn,
+    a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_block(x, w, w_up, lst, begin, end, t, M, K, KS, sxm, swn,
                                                GS, BN, BK, FUSED)
     for step in range(begin, end):
         a, b, bu, g, n = a_nx, b_nx, bu_nx, g_nx, n_nx
-        a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_step(x, w, w_up, lst, step + 1, end, t, M, K, KS,
+        a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_block(x, w, w_up, lst, step + 1, end, t, M, K, KS,
                                                    sxm, swn, GS, BN, BK, FUSED)
         if BT == 1:
             acc += tl.sum(_codes_f32(b, FP8) * a.to(tl.float32), 1)
@@ -303,7 +295,7 @@ def gemm_k_ref(a, w, mask, group_size, residual=None, w_scale=None):
 
 
 @triton.jit
-def _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
+def _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
                  GS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
     # One BK slice of group g: a-rows of tokens that do not run g are predicated off
     # (intra-block skip; those slots are never read, so garbage there is harmless).
@@ -368,7 +360,7 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, 
     if n_live == G:  # every group is live (the usual case at random masks): plain K loop
         per = tl.cdiv(G, SPLIT)
         for it in range(split * per * STEPS, tl.minimum(split * per + per, G) * STEPS):
-            acc = _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G,
+            acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G,
                                sam, swn, GS, BM, BK, IEEE, F16)
     else:
         # Compact the live groups once into this program's scratch row; dead groups are never
@@ -378,7 +370,7 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, 
         tl.debug_barrier()
         per = tl.cdiv(n_live, SPLIT)
         for it in range(split * per * STEPS, tl.minimum(split * per + per, n_live) * STEPS):
-            acc = _gemm_k_step(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
+            acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
                                it % STEPS, G, sam, swn, GS, BM, BK, IEEE, F16)
     ok = rok[:, None] & cok[None, :]
     offs = rows[:, None] * som + cols[None, :]
@@ -443,10 +435,10 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
 
     method="tile" (default): deterministic, no atomics (see _gemm_k_kernel).
     method="atomic": per-group sorted tiles + fp32 atomics (the authors' scheme; not deterministic).
-    Which is faster (H200, M=4096, 112 groups of 128, random 50% masks): "tile", though neither
-    beats cuBLAS. With random masks every 128-token tile needs every group, so "tile" skips no
-    FLOPs (0.80x, only pruned a-slots go unread); "atomic" skips them but pays 56 fp32 atomic
-    adds per output element (0.34x). See results/kernels_h200.md.
+    Which is faster at prefill sizes with random masks: "tile", though neither beats cuBLAS. Every
+    tile of per-token masks needs nearly every group, so "tile" skips no FLOPs (only pruned a-slots go
+    unread); "atomic" skips them but pays fp32 atomic adds per output element. Both are timed in
+    results/kernels_h200.md ("down" and "o_proj" rows, tile and atomic).
     """
     check_device(a)
     M, K = a.shape

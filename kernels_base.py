@@ -10,37 +10,39 @@ import torch
 import triton
 import triton.language as tl
 
+from cli import UserError
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LONG_K = 8192  # decode gemm_k with at least this reduction length splits its groups over programs
 
-# Block sizes. Hand-picked on an H200 (python -m bench.tune); the interpreter gets tiny fixed ones.
+# Block sizes. Picked on an H200 by python -m bench.tune (every variant's time: results/kernels_h200_tune.md
+# and results/kernels_h200_tune_fp8.md); the interpreter gets tiny fixed ones.
 # Read-only: a caller that wants other sizes (the tuning sweep) passes `config=` to the op.
 CONFIGS = {
     "block_m": 128,  # layout tile (gemm_mn token tile, gemm_k atomic token tile)
     "gemm_mn": dict(BN=128, BK=64, num_warps=8, num_stages=4),
     "gemm_mn_fused": dict(BN=128, BK=64, num_warps=8, num_stages=4),
     # One token. gate+up (two weights per step) streams best with more programs; Q with K and V (one
-    # weight, a third of the bytes) with fewer, longer ones (12.3 vs 15.7 us at 7 per SM, H200).
+    # weight, a third of the bytes) with fewer, longer ones.
     "gemv_mn_1_fused": dict(BN=4, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4),
     "gemv_mn_1": dict(BN=4, BK=2048, num_warps=4, num_stages=1, programs_per_sm=3),
     "gemv_mn": dict(BN=16, BK=256, num_warps=4, num_stages=1, programs_per_sm=2),
-    # fp8 codes are half the bytes per element: longer K slices per step (one token, 50% skipped, H200:
-    # gate+up 35.0 -> 26.9 us, Q with K/V 18.2 -> 9.8 us against the bf16 keys' sizes).
+    # fp8 codes are half the bytes per element: longer K slices per step than the bf16 keys'.
     "gemv_mn_1_fused_fp8": dict(BN=4, BK=2048, num_warps=4, num_stages=1, programs_per_sm=2),
     "gemv_mn_1_fp8": dict(BN=8, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4),
     "gemm_k": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
-    # Decode O projection (K = 4096, 8 groups): split over 4 programs too (one token: 12.0 -> 10.2 us, H200).
+    # Decode O projection (K = 4096, 8 groups): split over 4 programs too.
     "gemm_k_small": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=4),
     # Decode with a long reduction (the down projection, K >= 8192): split each tile's live groups
-    # over 4 programs so more weight bytes are in flight (one token: 32 -> 23 us at 50%, H200).
+    # over 4 programs so more weight bytes are in flight.
     "gemm_k_small_long_k": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=4),
-    "gemm_k_small_fp8": dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=6, SPLIT=4),  # 9.2 -> 8.6 us
-    "gemm_k_small_long_k_fp8": dict(BM=16, BN=128, BK=128, num_warps=4, num_stages=6, SPLIT=8),  # 19.4 -> 19.2
+    "gemm_k_small_fp8": dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=6, SPLIT=4),
+    "gemm_k_small_long_k_fp8": dict(BM=16, BN=128, BK=128, num_warps=4, num_stages=6, SPLIT=8),
     "gemm_k_atomic": dict(BN=128, BK=64, num_warps=8, num_stages=3),
     "attn_prefill": dict(BM=128, BN=64, num_warps=8, num_stages=3),
     # Decode attention: a work list of about programs_per_sm x SMs (row, KV head, chunk) items, at most
-    # max_chunks per (row, KV head). H200, B16 L8k at 50%: 86.5 us merging in turn, 98.1 us merging all chunks
-    # at once (the merge's registers cost the whole kernel occupancy).
+    # max_chunks per (row, KV head), merged in turn: merging all chunks at once was slower (the merge's
+    # registers cost the whole kernel occupancy).
     "attn_decode": dict(BN=128, programs_per_sm=4, max_chunks=16, num_warps=8, num_stages=2),
 }
 if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per element
@@ -115,7 +117,7 @@ def pdl(device):
     "early" (once every program has passed its wait)."""
     mode = os.environ.get("WIDE_PDL", "exit")
     if mode not in PDL_MODES:
-        raise ValueError(f"WIDE_PDL={mode!r}: use one of {', '.join(PDL_MODES)}")
+        raise UserError(f"WIDE_PDL={mode!r}: use one of {', '.join(PDL_MODES)}")
     if INTERPRET or device.type != "cuda" or not PDL_MODES[mode]:
         return 0
     return PDL_MODES[mode] if _sm90(device.index if device.index is not None else torch.cuda.current_device()) else 0

@@ -24,10 +24,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cli import UserError
 from wide import FFNRule, shared_by_vote
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint directory that is missing, incomplete or unreadable. Scripts print it as one line."""
 
 

@@ -1,17 +1,12 @@
 """
-Which op of a step runs where, decided in one place: `Policy.plan(shape, routers)` returns, for one
-step's shape, every op of the step with where it runs (a Triton kernel, cuBLAS, SDPA), on which weights
-(bf16, fp8 codes, fp8 dequantized) and which Triton kernels it launches. engine.py runs straight through
-the plan; `Plan.text()` is what `generate.py --backend triton` prints; the tests record the launches of
-a step and compare them with `Plan.launches()`.
+Which op of a step runs where, decided in one place: `Policy.plan(shape, routers)` returns, for one step's
+shape, every op with where it runs (a Triton kernel, cuBLAS, SDPA), on which weights (bf16, fp8 codes, fp8
+dequantized) and which Triton kernels it launches. `Policy.layer_plan` decides a layer op by op, one method
+per op. engine.py runs straight through the plan; `Plan.text()` is what `generate.py --backend triton`
+prints; the tests record a step's launches and compare them with `Plan.launches()`.
 
-Why a token count decides so much. Decode (a few tokens): gemm_mn / gemm_k skip the weight rows of the
-groups no token of the step runs (the GEMV's live-group list), but the union of a few tokens' masks
-already covers nearly every group, so larger steps hand the pruned linears to cuBLAS on the masked input.
-Prefill: gemm_mn's sorted tiles skip FLOPs from about a thousand tokens on; gemm_k cannot (with per-token
-masks no 16-token tile shares a skipped group), so O and down run cuBLAS on the masked input, which is
-exact because the pruned slots are zero. fp8 codes are read by the decode GEMVs only (<= GEMV_MAX_TOKENS tokens);
-a prefill dequantizes them and runs as bf16.
+Every token count that decides where an op runs is named here: the Policy's fields, and the two below at
+which a kernel itself changes its code path (kernels.py and kernels_step.py read them from here).
 """
 from collections import Counter
 from dataclasses import dataclass
@@ -90,18 +85,22 @@ DECODE_ATTENTION = ("attn_decode_kernel",)  # the split merge runs in the same l
 
 @dataclass(frozen=True)
 class Policy:
-    """The engine's thresholds. Everything `plan` does not send elsewhere runs its Triton kernel."""
-    sparse_decode_max_tokens: int = 4      # steps with at most this many tokens: Q/O/FFN through Triton
-    sparse_prefill_min_tokens: int = 1024  # prefills with at least this many tokens: Q, gate+up through Triton
-    dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
-    # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa"
-    # (with the model's causal-mask rows, which rules out flash). H200, 2048 queries after 6144 keys: 516 vs 834 us.
-    dense_chunk_attention: str = "triton"
-    router_max_tokens: int = 64            # longer steps run the router module itself (two fp32 GEMMs)
-    # Steps of at most this many tokens run their unrouted linears (the dense model's, say) through WIDE's GEMV and
-    # gemm_k with every group live, as fp8 weights always do; 0 = cuBLAS. On the H200 that is the faster dense
-    # decode at batch 1 (bench/e2e.py times both: results/e2e_h200.md, 'cublas linears').
+    """The engine's thresholds, in tokens per step (B * T). Everything `plan` does not send to cuBLAS / SDPA
+    runs its Triton kernel."""
+    # Q, O and the FFN skip weights through Triton in steps of at most this many tokens (the decode GEMVs
+    # read only the live groups: past a few tokens their union covers nearly every group) ...
+    sparse_decode_max_tokens: int = 4
+    # ... and Q and gate+up skip FLOPs in prefills of at least this many (gemm_mn's sorted tiles pay there)
+    sparse_prefill_min_tokens: int = 1024
+    # Steps of at most this many tokens run their unrouted linears (the dense model's, say) through WIDE's GEMV
+    # and gemm_k with every group live, as fp8 weights always do; 0 = cuBLAS. On the H200 that is the faster
+    # dense decode at batch 1 (bench/e2e.py times both: results/e2e_h200.md, 'cublas linears').
     dense_gemv_max_tokens: int = 1
+    router_max_tokens: int = 64            # longer steps run the router module itself (two fp32 GEMMs)
+    dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
+    # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa" (with
+    # the model's causal-mask rows, which rules out flash); the Triton kernel was the faster on the H200.
+    dense_chunk_attention: str = "triton"
 
     def plan(self, shape, routers):
         """The whole step: routers is one (attn, ffn) pair per layer, each None (no router), "wide" (a
@@ -118,57 +117,54 @@ class Policy:
         return Plan(shape, step, layers)
 
     def layer_plan(self, shape, attn_router, ffn_router):
-        """One layer's ops: {op name: Op}, in LAYER_OPS order (ops that do not run are absent)."""
-        M, decode = shape.tokens, shape.decode
-        # fp8 codes are read by the decode kernels only; a prefill dequantizes them (then as bf16)
-        read_fp8 = shape.fp8 and M <= GEMV_MAX_TOKENS
-        # an op without a router runs WIDE's kernel with every group live (fp8 codes, or the policy's choice)
-        all_live = read_fp8 or M <= self.dense_gemv_max_tokens
-        w = "fp8" if read_fp8 else (f"fp8 -> {shape.dtype}" if shape.fp8 else shape.dtype)
-        sparse_mn = M <= self.sparse_decode_max_tokens or M >= self.sparse_prefill_min_tokens
-        sparse_k = M <= self.sparse_decode_max_tokens
-        # Under the vote rule the rows share one FFN mask: the GEMV and gemm_k skip what the vote drops, up to
-        # GEMV_MAX_TOKENS rows (a per-row mask's union would cover nearly every group there)
-        ffn_mn = sparse_mn or (shape.ffn_vote and M <= GEMV_MAX_TOKENS)
-        ffn_k = sparse_k or (shape.ffn_vote and M <= GEMV_MAX_TOKENS)
-        q_tiles = attn_router is not None and sparse_mn and M > GEMV_MAX_TOKENS and not read_fp8
-        ops = {"attn_norm": self.norm_op(M, attn_router)}
-        if attn_router is not None and (not decode or q_tiles):  # prefill attention and Q's tiles read it
-            ops["attn_layout"] = Op("layout", "Triton", kernels=LAYOUT)
-        if all_live and attn_router is None:
-            ops["qkv"] = Op("gemv_all", "Triton", w, ("gemv_mn_kernel",))
-        elif attn_router is not None and (read_fp8 or (sparse_mn and M <= GEMV_MAX_TOKENS)):
-            ops["qkv"] = Op("gemv", "Triton", w, ("gemv_mn_kernel",))
-        elif q_tiles:
-            ops["qkv"] = Op("tiles", "Triton + cuBLAS", w, ("gemm_mn_kernel",))
-        else:
-            ops["qkv"] = Op("cublas" if attn_router is None else "cublas_every_head", "cuBLAS", w)
+        """One layer's ops in the order they run, {op name: Op} (an op that does not run is absent). Each op is
+        decided on its own, by one method below, from the step's shape and whether its part has a router."""
+        w = weight_format(shape)
+        ops = {"attn_norm": self.norm_op(shape, attn_router)}
+        qkv = self.qkv_op(shape, attn_router, w)
+        if attn_router is not None and (not shape.decode or qkv.kind == "tiles"):
+            ops["attn_layout"] = Op("layout", "Triton", kernels=LAYOUT)  # prefill attention and Q's tiles read it
+        ops["qkv"] = qkv
         ops["rope"] = Op("rope", "Triton", kernels=("rope_kernel",))
         ops["attention"] = self.attention_op(shape, attn_router)
-        ops["o"] = reduction_op(attn_router, all_live, sparse_k, w)
-        ops["ffn_norm"] = self.norm_op(M, ffn_router)
-        if read_fp8 or (all_live and ffn_router is None):
-            ops["gate_up"] = Op("gemv_fused" if ffn_router is not None else "gemv_fused_all", "Triton", w,
-                                ("gemv_mn_kernel",))
-        elif ffn_router is not None and ffn_mn and M <= GEMV_MAX_TOKENS:
-            ops["gate_up"] = Op("gemv_fused", "Triton", w, ("gemv_mn_kernel",))
-        elif ffn_router is not None and sparse_mn:
-            ops["ffn_layout"] = Op("layout", "Triton", kernels=LAYOUT)
-            ops["gate_up"] = Op("tiles_fused", "Triton", w, ("gemm_mn_kernel",))
-        else:
-            ops["gate_up"] = Op("cublas_masked" if ffn_router is not None else "cublas", "cuBLAS", w)
-        ops["down"] = reduction_op(ffn_router, read_fp8 or (all_live and ffn_router is None), ffn_k, w)
+        ops["o"] = self.o_op(shape, attn_router, w)
+        ops["ffn_norm"] = self.norm_op(shape, ffn_router)
+        gate_up = self.gate_up_op(shape, ffn_router, w)
+        if gate_up.kind == "tiles_fused":
+            ops["ffn_layout"] = Op("layout", "Triton", kernels=LAYOUT)  # gate+up's tiles read it
+        ops["gate_up"] = gate_up
+        ops["down"] = self.down_op(shape, ffn_router, w)
         return {name: ops[name] for name in LAYER_OPS if name in ops}
 
-    def norm_op(self, M, router):
+    def every_group_live(self, shape):
+        """Whether an op with no router runs WIDE's kernel with every group live: fp8 codes (only the kernels
+        read them), or a step small enough for the policy's dense_gemv_max_tokens."""
+        return reads_fp8(shape) or shape.tokens <= self.dense_gemv_max_tokens
+
+    def norm_op(self, shape, router):
+        """RMSNorm, with the router's decision in the same launch where it is a wide.Router and the step short."""
         if router is None:
             return Op("norm", "Triton", kernels=("rms_norm_kernel",))
-        if router == "wide" and M <= self.router_max_tokens:
-            up = ("router_up_kernel",) if M > ROUTER_UP_FUSED_MAX_TOKENS else ()
+        if router == "wide" and shape.tokens <= self.router_max_tokens:
+            up = ("router_up_kernel",) if shape.tokens > ROUTER_UP_FUSED_MAX_TOKENS else ()
             return Op("norm_route", "Triton", kernels=("norm_route_kernel",) + up)
         return Op("norm_then_router", "Triton + torch", kernels=("rms_norm_kernel",))
 
+    def qkv_op(self, shape, router, w):
+        """Q, K, V in one weight stream. K and V are never pruned; Q's groups are skipped by the decode GEMV
+        (up to GEMV_MAX_TOKENS) or by gemm_mn's sorted tiles, in the steps where that pays."""
+        M = shape.tokens
+        if router is None:
+            return (Op("gemv_all", "Triton", w, ("gemv_mn_kernel",)) if self.every_group_live(shape)
+                    else Op("cublas", "cuBLAS", w))
+        if not (M <= self.sparse_decode_max_tokens or M >= self.sparse_prefill_min_tokens or reads_fp8(shape)):
+            return Op("cublas_every_head", "cuBLAS", w)
+        if M <= GEMV_MAX_TOKENS:
+            return Op("gemv", "Triton", w, ("gemv_mn_kernel",))
+        return Op("tiles", "Triton + cuBLAS", w, ("gemm_mn_kernel",))
+
     def attention_op(self, shape, router):
+        """Attention over the live head groups where there is a router; the dense baseline at its best where not."""
         if shape.decode and router is not None:
             return Op("decode_live", "Triton", kernels=DECODE_ATTENTION)
         if shape.decode:
@@ -183,13 +179,52 @@ class Policy:
             return Op("prefill_every", "Triton", kernels=("attn_prefill_kernel",))
         return Op("sdpa_rows", "SDPA")
 
+    def o_op(self, shape, router, w):
+        """O: gemm_k reads only the live groups' weight columns and adds the residual, in decode-sized steps
+        (and where fp8 codes are read); elsewhere cuBLAS on the masked input (exact: pruned slots are zero,
+        and no 16-token tile of per-token masks shares a skipped group)."""
+        if router is None:
+            return (Op("gemm_k_all", "Triton", w, ("gemm_k_kernel",)) if self.every_group_live(shape)
+                    else Op("cublas", "cuBLAS", w))
+        if shape.tokens <= self.sparse_decode_max_tokens or self.every_group_live(shape):
+            return Op("gemm_k", "Triton", w, ("gemm_k_kernel",))
+        return Op("cublas_masked_input", "cuBLAS", w)
 
-def reduction_op(router, all_live, sparse_k, w):
-    """O or down: gemm_k over the live groups (all_live: also without a router, every group live), or
-    cuBLAS on the masked input."""
-    if all_live or (router is not None and sparse_k):
-        return Op("gemm_k" if router is not None else "gemm_k_all", "Triton", w, ("gemm_k_kernel",))
-    return Op("cublas" if router is None else "cublas_masked_input", "cuBLAS", w)
+    def gate_up_op(self, shape, router, w):
+        """gate+up with silu(gate)*up fused, as Q: the decode GEMV or gemm_mn's sorted tiles where skipping pays,
+        else one cuBLAS GEMM and the pruned groups zeroed. Under the vote rule the step's rows share one mask,
+        so the GEMV skips what the vote drops at any decode size it takes."""
+        M = shape.tokens
+        if router is None:
+            return (Op("gemv_fused_all", "Triton", w, ("gemv_mn_kernel",)) if self.every_group_live(shape)
+                    else Op("cublas", "cuBLAS", w))
+        voted = shape.ffn_vote and M <= GEMV_MAX_TOKENS
+        if not (M <= self.sparse_decode_max_tokens or M >= self.sparse_prefill_min_tokens or reads_fp8(shape) or voted):
+            return Op("cublas_masked", "cuBLAS", w)
+        if M <= GEMV_MAX_TOKENS:
+            return Op("gemv_fused", "Triton", w, ("gemv_mn_kernel",))
+        return Op("tiles_fused", "Triton", w, ("gemm_mn_kernel",))
+
+    def down_op(self, shape, router, w):
+        """down, as O: gemm_k over the live groups in decode-sized steps (with fp8 codes, or a voted mask at any
+        decode size the GEMV takes), else cuBLAS on the masked input."""
+        if router is None:
+            return (Op("gemm_k_all", "Triton", w, ("gemm_k_kernel",)) if self.every_group_live(shape)
+                    else Op("cublas", "cuBLAS", w))
+        voted = shape.ffn_vote and shape.tokens <= GEMV_MAX_TOKENS
+        if shape.tokens <= self.sparse_decode_max_tokens or reads_fp8(shape) or voted:
+            return Op("gemm_k", "Triton", w, ("gemm_k_kernel",))
+        return Op("cublas_masked_input", "cuBLAS", w)
+
+
+def reads_fp8(shape):
+    """fp8 codes are read by the decode kernels only (up to GEMV_MAX_TOKENS); a longer step dequantizes them."""
+    return shape.fp8 and shape.tokens <= GEMV_MAX_TOKENS
+
+
+def weight_format(shape):
+    """What the linears read: the model dtype, fp8 codes, or fp8 dequantized to the model dtype."""
+    return "fp8" if reads_fp8(shape) else (f"fp8 -> {shape.dtype}" if shape.fp8 else shape.dtype)
 
 
 class Plan(NamedTuple):

@@ -1,49 +1,17 @@
 """
-Serving: many requests at once through one static KV cache (continuous batching).
-
-Whether WIDE keeps its gains there is measured by bench/serving.py (Poisson arrivals, dense vs WIDE ->
-results/serving_h200_{mixed,8k,long}.*); why weight skipping fades as the batch grows, by research/mask_union.py.
-
-The loop (Server): the cache has `n_slots` rows of `slot_len` positions, set up once. Requests wait in
-a queue; each takes the lowest free slot, is prefilled into it, then decodes one token per step next to
-every other running request, each row at its own position (input_pos [B, 1], as generate.py runs prompts
-of different lengths). A finished request frees its slot at once and the next one takes it.
+Serving: many requests at once through one static KV cache (continuous batching), measured by bench/serving.py.
 
         queue ─► free slot ─► prefill (whole prompt, or chunk by chunk) ─► decode steps ─► done, slot freed
                                    one prefill piece, then one decode step for all running slots, repeat
 
-- Prefill writes straight into the request's own cache row: SlotView hands the model a [1, ...] view of
-  that row as its KV cache, so a prefill is exactly generate.py's prefill at batch 1 (no copy).
-- Chunked prefill (both backends): a long prompt goes in `chunk` tokens per loop iteration at positions
-  [start, start + chunk), each chunk attending to the cache before it, so running decodes are not
-  stalled by it; without `chunk` a prompt is prefilled whole, one prompt per iteration.
-- A decode step runs the first n rows of the cache, n the smallest bucket (BUCKETS) that covers the
-  highest running slot; rows in there that are not decoding run a dummy token (a free slot at position
-  0, a slot between prefill chunks at slot_len - 1, a position no request that fits ever reads). On a
-  GPU each bucket's step is a CUDA graph (engine.CUDAGraphDecoder) over views of those rows, captured
-  once. The dummy rows are real work: for WIDE they also widen the batch's mask union.
-- A request whose prompt + max_new_tokens exceed slot_len - 1 is rejected with a message; the others run.
-
-Under stress (tests/test_serve_stress.py):
-- Bounded queue: at most `max_queue` requests (default 1024) wait for a slot. One submitted to a full
-  queue is rejected at once, on the same path as a prompt that does not fit (error set, t_done = now,
-  in `done`, nothing queued), so overload costs an error line per request, never a queue that grows
-  without bound. The client retries later, or the operator raises max_queue.
-- Cancellation: cancel(req, now) stops a request wherever it is (queued, between prefill chunks, or
-  decoding). Its slot is free at once, it keeps the tokens it has, error = "cancelled".
-- Non-finite logits: the one host read of a step brings back each row's greedy token and, folded into
-  the same tensor, whether that row's logits were all finite (-1 where not), so the check costs no sync.
-  A row with NaN or inf ends alone with an error line naming the position; rows never mix in the model,
-  so every other request's tokens are untouched.
-- A request that ends early (cancelled or stopped) has its cache row zeroed. Attention masks stale
-  positions, but a masked NaN still gives NaN (0 * NaN); one left in the row (a poisoned request, or a
-  prompt cancelled between chunks, whose K/V nobody read back) would poison the slot's next occupants.
-  A request that ends normally had its last logits read back finite; its row is left as it is.
-Greedy decoding only: with decode steps of at most model.ffn_rule.max_rows rows (wide.FFNRule; None: any)
-every request's tokens are then those of generating it alone (up to rounding: a batch's
-kernels may sum in another order) (tests/test_serve.py checks it on the
-CPU for both backends); a larger step runs the whole FFN (the batch rule),
-so a request's tokens then depend on the batch it ran in.
+The cache has `n_slots` rows of `slot_len` positions, set up once. A request takes the lowest free slot, is
+prefilled straight into that row (SlotView: generate.py's prefill at batch 1, no copy), then decodes one
+token per step next to every other running request, each at its own position. A decode step runs the
+smallest bucket of rows (BUCKETS) that covers the highest running slot, one CUDA graph per bucket on a GPU;
+rows that are not decoding run a dummy token where no request reads. Overload, cancellation and non-finite
+logits end one request alone, with one line in Request.error (tests/test_serve_stress.py). Greedy only:
+with decode steps of at most model.ffn_rule.max_rows rows (wide.FFNRule) every request's tokens are those
+of generating it alone (tests/test_serve.py); a larger step runs the whole FFN, so they depend on the batch.
 """
 import contextlib
 import time
@@ -180,7 +148,7 @@ class Server:
         return not self.queue and all(r is None for r in self.slots)
 
     @torch.no_grad()
-    def step(self, now):
+    def tick(self, now):
         """One loop iteration: fill free slots from the queue, run one prefill piece, one decode step."""
         while self.queue and None in self.slots:
             req = self.queue.pop(0)
@@ -287,7 +255,7 @@ class Server:
             z = torch.zeros(n, 1, dtype=torch.long, device=self.device)
             self.graphs[n] = engine.CUDAGraphDecoder(self.forward, z, z.view(-1).clone())
 
-    def run(self, requests, now=None):
+    def serve(self, requests, now=None):
         """Serve requests (arrival: seconds after the start) until each has ended (done, rejected, stopped).
         now: a clock (default the wall clock, arrivals in real time); tests pass a fake one."""
         clock = now or time.perf_counter
@@ -301,5 +269,5 @@ class Server:
                 if now is None:
                     time.sleep(max(0.0, pending[0].arrival - since()))
                 continue
-            self.step(since)
+            self.tick(since)
         return requests

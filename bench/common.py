@@ -46,6 +46,7 @@ def prepare(args, script, argv, results):
     and one seed for every benchmark's random inputs."""
     need_device(args.smoke, script, argv)
     args.out = out_prefix(args, results)
+    cli.writable_dir(os.path.dirname(args.out) or ".", "--out")
     torch.manual_seed(0)
 
 
@@ -142,7 +143,7 @@ def clock_ms(smoke, fn, n):
 
 # ----------------------------------------------------------------------------------- the benchmarks' model
 @dataclass
-class ModelRun:
+class ModelSetup:
     """The model a whole-model benchmark runs: a preset's shape (or `config`, ModelConfig fields) with
     random weights and WIDE routers whose skip biases are calibrated on a random prompt. The Llama-3.1-8B
     shape in bf16 on the GPU; --smoke: SMOKE's tiny fp32 model on the CPU."""

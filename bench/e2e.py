@@ -1,38 +1,18 @@
 """
-End to end: a Llama-3.1-8B-shaped model (random bf16 weights, real WIDE routers) through engine.Engine,
-against the same model with its routers removed, in the same engine.
+End to end: a Llama-3.1-8B-shaped model (random bf16 weights, wide.Routers whose skip biases are calibrated
+to skip half of a random prompt's tokens) through engine.Engine, against the same model with its routers
+removed in the same engine, the dense side at its best (the fastest of the ways the engine can run it).
 
-  python -m bench.e2e                       # the default set, about 4-7 minutes on an H200 -> results/e2e_h200.{json,md}
-  python -m bench.e2e --only decode,compile # a subset of the parts: prefill, decode, compile, fp8, small, profile
-  python -m bench.e2e --decode 1x1024,32x8192   # other decode rows (batch x context)
-  python -m bench.e2e --budget-s 300        # start no new row after this many seconds
-  python -m bench.e2e --only fp8 --append   # replace only these parts' rows in results/e2e_h200.*
-  TRITON_INTERPRET=1 python -m bench.e2e --smoke   # the same code on the CPU: a tiny fp32 model (CI)
+  python -m bench.e2e                            # the default parts -> results/e2e_h200.{json,md}
+  python -m bench.e2e --only decode,compile      # a subset: prefill, decode, compile, fp8, small, profile
+  python -m bench.e2e --decode 1x1024,32x8192    # other decode rows (batch x context)
+  python -m bench.e2e --only fp8 --append        # replace only these parts' rows in results/e2e_h200.*
+  TRITON_INTERPRET=1 python -m bench.e2e --smoke # the same code on the CPU: a tiny fp32 model (CI)
 
-What each part measures:
-  prefill  one prompt of 4096 tokens (logits of its last token only), WIDE vs dense, median of 5.
-  decode   one new token per row over a KV cache filled to `context`, replayed as a CUDA graph
-           (engine.CUDAGraphDecoder) with greedy argmax, at the default rows (batch, context) =
-           (1, 1k), (1, 8k), (8, 1k), (32, 8k). Dense: the faster of the two dense decode attentions
-           (Policy.dense_decode_attention). WIDE: the default Policy, and with more tokens than
-           Policy.sparse_decode_max_tokens also Q and O through their kernels ("all sparse"; the FFN follows the
-           batch rule, wide.FFNRule).
-           Each row carries dense_GBps = (weights + KV cache a step must read) / dense step time, its
-           share of the 4220 GB/s copy ceiling, and the byte limit of the speedup at the masks the
-           routers chose (the bytes dense reads / the bytes WIDE must read).
-  compile  the dense engine once against gpt-fast's own recipe on the same weights: model.py's forward
-           (routers off, static KV cache, batch 1, context 1k) in a decode_one_token that
-           torch.compile(mode="reduce-overhead", fullgraph=True) captures; both tokens/s.
-  fp8      batch-1 decode at 1k and 8k with fp8 weights (engine.Engine(weights="fp8"): e4m3, one scale per
-           output channel, read by the same decode kernels): dense bf16, dense fp8, WIDE bf16, WIDE fp8.
-  profile  one decode step op by op (bench/step_profile.py): batch 1 at 1k in bf16 and fp8, batch 32 at 8k,
-           dense and WIDE (and 75/25 routers at batch 32) -> results/decode_profile_h200.{json,md}
-  small    the trained small model (out/wide-s0.5-stage*) if there is one, else the small preset with
-           calibrated random routers: masks from a trained router, through generate().
-
-Routers: wide.Router with its own initialisation; each group's skip bias is shifted so that it skips
-half the tokens of a random prompt (common.calibrate_routers). Timing: CUDA events around N steps after a
-warm-up; --smoke times with the CPU clock (meaningless) and never writes under results/.
+Parts: prefill (one 4096-token prompt); decode (CUDA-graph steps over a filled KV cache, with each row's
+bytes and byte limit); compile (the dense engine against gpt-fast's torch.compile loop on model.py); fp8
+(bf16 and fp8 weights, dense and WIDE); profile (one step op by op, bench/step_profile.py); small (a trained
+model, or the small preset, through generate()). --smoke times nothing meaningful and never writes results/.
 """
 import argparse
 import json
@@ -48,7 +28,7 @@ import cli
 import engine
 import kernels_base
 from bench import common, step_profile
-from bench.common import (COPY_GBS, SMOKE, ModelRun, calibrate_routers, clock_ms, fill_cache, mask_summary, meta,
+from bench.common import (COPY_GBS, SMOKE, ModelSetup, calibrate_routers, clock_ms, fill_cache, mask_summary, meta,
                           random_model, save, with_engine)
 from generate import generate
 from model import CheckpointError
@@ -57,7 +37,7 @@ from wide import FFNRule, routers_off, routers_on
 
 
 @dataclass
-class Run(ModelRun):
+class E2ESetup(ModelSetup):
     """What one run measures (the rows below), on bench/common.py's model: the Llama-3.1-8B shape on the GPU,
     or a tiny model (--smoke)."""
     prefill: int = 4096
@@ -76,7 +56,7 @@ def smoke_run():
     # One layer, 4 attention groups (2 heads of 16, one KV head each), 4 FFN groups of 32 channels.
     tiny = dict(vocab_size=128, dim=64, n_layers=1, n_heads=8, n_kv_heads=4, head_dim=16,
                 intermediate_size=128, max_seq_len=96)
-    return Run(**SMOKE, config=tiny, prefill=32,
+    return E2ESetup(**SMOKE, config=tiny, prefill=32,
                decode=[(1, 24), (6, 24)], fp8_decode=[(1, 24)], profile=[(1, 24, "bf16")], compile_context=24, steps=2, warmup=1, calibrate_tokens=32,
                small_preset=None, small_tokens=(8, 3), small_batches=(2,))
 
@@ -580,7 +560,7 @@ def main(argv=None):
     p.add_argument("--append", action="store_true", help="keep the rows of the parts not run from the --out file")
     args = p.parse_args(argv)
     common.prepare(args, "-m bench.e2e", argv, "e2e_h200")
-    run = smoke_run() if args.smoke else Run()
+    run = smoke_run() if args.smoke else E2ESetup()
     run.decode = args.decode or run.decode
     return run_e2e(run, args, argv)
 

@@ -5,8 +5,7 @@ Kernel speed: every WIDE op against the best dense op we can build, Llama-3.1-8B
   python -m bench.ops --only gate  # only the ops whose name contains "gate"
   TRITON_INTERPRET=1 python -m bench.ops --smoke   # the same code on the CPU: tiny fp32 shapes (CI)
 
-The cases are bench/cases.py's; bench/tune.py sweeps block sizes over the same cases. The protocol
-(BENCH.md), for every op:
+The cases are bench/cases.py's (bench/tune.py sweeps block sizes over them). For every op:
  1) Correctness first, at every sparsity then timed (every group live, 25%, 50%, 75% skipped): relative
     error against the fp32 twin <= 1e-2, pruned output slots exactly 0, no NaN. A failed check stops the run.
  2) Prefill rows: triton.testing.do_bench medians (L2 flushed). Decode-sized rows (<= DECODE_TOKENS):

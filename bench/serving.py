@@ -8,17 +8,11 @@ Llama-3.1-8B-shaped model (random bf16 weights, routers calibrated per profile).
     python -m bench.serving --profiles 0.5/0.5,0.75/0.25,0.875/0.25   # one more attention-leaning profile
     TRITON_INTERPRET=1 python -m bench.serving --smoke --slots 1      # the same code on the CPU, a tiny model (CI)
 
-Explicit --prompt, --output, --slots,
---requests, --rates and --out override what the workload sets. --smoke keeps its own tiny lengths; the
-workload then only names the file.
-
-Per rate and profile: output tokens/s, TTFT and TPOT (p50 / p99), the concurrency reached, and per phase
-the stream time (prefill ms per 1k prompt tokens, decode ms per step). Every profile runs on the same
-engine (engine.Engine); "dense" is the model with its routers removed. A profile's routers are calibrated
-on a random prompt (bench/common.py's calibrate_routers), one router type at a time. If
-results/quality_serving.json exists (perplexity of trained routers at these profiles), the table shows
-each profile's perplexity ratio next to its speed. Each run writes .json (the numbers), .md (the table)
-and .png (throughput and p99 TPOT against the offered load).
+Explicit flags override what the workload sets. Per rate and profile: output tokens/s, TTFT and TPOT (p50 /
+p99), the concurrency reached, and per phase the stream time. Every profile runs on the same engine; "dense"
+is the model with its routers removed. With results/quality_serving.json (python eval.py --serving-only) the
+table shows each profile's perplexity next to its speed. Writes .json, .md and .png (throughput and p99 TPOT
+against the offered load).
 """
 import argparse
 import json
@@ -34,7 +28,7 @@ import torch
 import cli
 import engine
 from bench import common
-from bench.common import SMOKE, ModelRun, meta, random_model, save, set_profile
+from bench.common import SMOKE, ModelSetup, meta, random_model, save, set_profile
 from policy import Policy
 from serve import Request, Server
 from wide import routers_off, routers_on
@@ -68,10 +62,9 @@ class Workload:
 WORKLOADS = {
     "mixed": dict(),
     "8k": dict(prompt=(8192, 8192)),
-    # Estimated, not yet measured: at the mixed run's 29-48 ms of prefill per 1k prompt tokens, a ~24k-token
-    # prompt costs about a second, so the others' rates would all saturate and 64 requests would take ~2 min
-    # per profile and rate; 32 requests at 0.5/s and all at once fit a run of ~8 min. Where a ratio decides
-    # a claim: run it twice, or --requests 64 --rates inf.
+    # Prompts of 16k-32k tokens take long to prefill, so higher rates would all saturate: 32 requests at
+    # 0.5/s and all at once keep the run short. Where a ratio decides a claim: run it twice, or
+    # --requests 64 --rates inf.
     "long": dict(prompt=(16384, 32768), n_slots=16, requests=32, rates=(0.5, math.inf)),
 }
 
@@ -86,7 +79,7 @@ def smoke_model_run():
     head each), 2 FFN groups of 32 channels. The interpreter pays per kernel program."""
     tiny = dict(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=64,
                 max_seq_len=32)
-    return ModelRun(**SMOKE, config=tiny, calibrate_tokens=24)
+    return ModelSetup(**SMOKE, config=tiny, calibrate_tokens=24)
 
 
 def draw_requests(w, rate, seed, vocab):
@@ -282,14 +275,14 @@ def serve_rates(server, w, name, skip, out_of_time, log):
     """One profile at every rate on one server (its CUDA graphs captured first): yields each rate's row."""
     vocab = server.model.config.vocab_size
     server.warm_up()
-    server.run(draw_requests(w, math.inf, w.seed + 999, vocab)[:w.warmup_requests])
+    server.serve(draw_requests(w, math.inf, w.seed + 999, vocab)[:w.warmup_requests])
     for rate in w.rates:
         if out_of_time(f"{name} rate {rate:g}"):
             continue
         server.steps, server.busy, server.done, server.marks = 0, [], [], []  # this rate's counters only
         reqs = draw_requests(w, rate, w.seed, vocab)
         t = time.perf_counter()
-        server.run(reqs)
+        server.serve(reqs)
         row = dict(rate=rate, profile=name, skip=skip, **summarize(reqs, server, time.perf_counter() - t))
         log(f"{name} rate {rate:g}: {row['output_tok_s']:.1f} tok/s, TTFT p99 {row['ttft_p99_ms']:.0f} ms, "
             f"TPOT p99 {row['tpot_p99_ms']:.1f} ms, concurrency max {row['concurrency_max']}")
@@ -310,7 +303,7 @@ def run_bench(w, args, argv):
         rec["wall_s"] = round(time.time() - t_start)
         save(args.out, rec, serving_markdown(rec))
 
-    run = smoke_model_run() if w.smoke else ModelRun()
+    run = smoke_model_run() if w.smoke else ModelSetup()
     slot_len = w.prompt[1] + w.output[1] + 1  # the longest request, and the dummy rows' scratch position
     m, _ = random_model(run, max_seq_len=slot_len)
     routers = [(l.attn_router, l.ffn_router, l.layer_router) for l in m.layers]
@@ -425,7 +418,7 @@ def main(argv=None):
                    "runs too (default 0.5/0.5,0.75/0.25)")
     p.add_argument("--budget-s", type=cli.real(0, lo_open=True), default=480,
                    help="start no new rate after this many seconds")
-    # >= Policy.sparse_prefill_min_tokens: WIDE's sparse prefill kernels run (H200, 512: 0.66-0.97x dense)
+    # >= Policy.sparse_prefill_min_tokens: WIDE's sparse prefill kernels run (smaller chunks: results/serving.md)
     p.add_argument("--chunk", type=cli.integer(1), default=2048, help="prefill chunk in tokens (a long prompt "
                    "does not stall the running decodes for longer than one chunk)")
     p.add_argument("--redraw", metavar="JSON", default=None, help="measure nothing: rewrite the .md and .png of an "

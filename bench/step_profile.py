@@ -12,7 +12,7 @@ Triton kernels by name, a cuBLAS GEMM to the next op the plan sends to cuBLAS, a
   gap us  the idle time before each of the op's kernels, from the previous kernel's end (launch gaps)
   MB      the bytes the op must read at the masks the routers chose (weights at the batch's union of live
           groups where the kernel skips, the KV cache at each row's live KV heads), from the plan's op kinds
-  GB/s    MB / us: against the 4220 GB/s copy ceiling
+  GB/s    MB / us: against the copy ceiling (bench/common.py COPY_GBS)
 The step time is CUDA-event time per replay; 'byte-ideal' is the step's MB at the copy ceiling.
 """
 import os
@@ -179,7 +179,7 @@ def profile_one(run, e, batch, context, replays=20):
     dec = engine.CUDAGraphDecoder(e, token, pos)  # every replay: the same step (the K/V at `context` rewritten)
     ms = clock_ms(False, lambda n: [dec(token, pos) for _ in range(n)], replays)
     masks = mask_summary(dec.masks, batch)
-    plan = e.plan(batch, True)
+    plan = e.step_plan(batch, True)
     assigned, _ = profile_step(dec, plan, token, pos)
     out = dict(summarize(assigned, op_bytes(e.model, plan, batch, context, masks), ms), masks=masks,
                kernel_names=sorted({name[:80] for _, name, _, _ in assigned}))

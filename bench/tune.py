@@ -48,7 +48,7 @@ def tune_table(s):
             v(4, 6, BM=16, BN=32, BK=128), v(4, 6, BM=16, BN=32, BK=128, SPLIT=2),
             v(4, 6, BM=16, BN=64, BK=128, SPLIT=8), v(4, 6, BM=16, BN=32, BK=128, SPLIT=8), *fma]),
         # fp8 codes: the one-token GEMVs want longer K slices; gemm_k's FMA rows skip the bf16 conversion
-        # a 16-row tl.dot makes of every code (kernels._gemm_k_step).
+        # a 16-row tl.dot makes of every code (kernels._gemm_k_block).
         "gemv_mn_1_fused_fp8": (lambda: case_gate_up(s, 1, fp8=True), [
             v(4, 1, BN=8, BK=1024, programs_per_sm=2), v(4, 1, BN=2, BK=4096, programs_per_sm=2),
             v(4, 1, BN=4, BK=2048, programs_per_sm=4), v(4, 1, BN=16, BK=1024, programs_per_sm=2),

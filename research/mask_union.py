@@ -176,6 +176,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join("results", "mask_union"), help="output path prefix for "
                    ".json/.md/.png (default results/mask_union)")
     args = p.parse_args(argv)
+    cli.writable_dir(os.path.dirname(args.out) or ".", "--out")
     torch.manual_seed(0)
     return run_union(args, argv)
 

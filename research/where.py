@@ -240,6 +240,7 @@ def main(argv=None):
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
     args.device = cli.pick_device(args.device)
+    cli.writable_dir(args.results, "--results")
     base_dir = os.path.join(args.out_dir, "base")
     args.teal_backbone = args.teal_backbone or base_dir
     cfg = Transformer.config_from_dir(base_dir)

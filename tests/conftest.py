@@ -90,11 +90,12 @@ def run_script(*args, timeout=300):
 
 
 def stopped(capsys, main, *args):
-    """main(args) in this process, for a command line that must stop before any work (a bad flag):
-    its exit as run_script reports one (returncode, stdout, stderr), for assert_one_line_error.
-    Much faster than a subprocess; what it cannot see is the `if __name__ == "__main__"` wrapper."""
+    """cli.run(main, args) in this process, as a script's `__main__` calls it, for a command line that must
+    stop before any work (a bad flag): its exit as run_script reports one (returncode, stdout, stderr), for
+    assert_one_line_error. Much faster than a subprocess, which only adds the interpreter's start."""
+    import cli
     with pytest.raises(SystemExit) as stop:
-        main(list(args))
+        cli.run(main, list(args))
     out, code = capsys.readouterr(), stop.value.code
     # argparse prints its line and exits 2; cli.fail's line is the SystemExit's message (exit code 1)
     message = code if isinstance(code, str) else ""

@@ -51,7 +51,7 @@ def test_rope_and_store_kernel_matches_twin(B, T, H, Hkv, d):
     q, k, v = qkv[:, :H * d], qkv[:, H * d:(H + Hkv) * d], qkv[:, (H + Hkv) * d:]
     pos = torch.stack([torch.randperm(L, generator=torch.Generator().manual_seed(b))[:T] for b in range(B)]).to(DEV)
     cos, sin = m.rope(pos)
-    step = engine.Step(T == 1, cos.reshape(M, d).contiguous(), sin.reshape(M, d).contiguous(),
+    step = engine.StepInputs(T == 1, cos.reshape(M, d).contiguous(), sin.reshape(M, d).contiguous(),
                        pos.reshape(M).contiguous(), None, None, None, 0)
     caches = [KVCache(B, L, Hkv, d, torch.float32, DEV) for _ in range(2)]
     for c in caches:  # what is already in the cache must survive

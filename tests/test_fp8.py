@@ -193,7 +193,7 @@ def test_weights_other_than_bf16_and_fp8_are_refused_and_fp8_is_described():
         engine.Engine(m, weights="int4")
     assert isinstance(engine.select(m, "triton", weights="fp8"), engine.Engine)
     e = engine.Engine(m, weights="fp8")
-    decode, prefill = e.plan(1, True).text(), e.plan(64, False).text()
+    decode, prefill = e.step_plan(1, True).text(), e.step_plan(64, False).text()
     assert "[fp8]" in decode and "[fp8]" not in prefill and "[fp8 -> fp32]" in prefill and "lm_head" in decode
 
 

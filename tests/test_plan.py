@@ -56,14 +56,14 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
     if "rule off" in name or "all sparse" in name:  # routed FFN at more than 4 rows (wide.FFNRule)
         m.ffn_rule = FFNRule(max_rows=None)
     pol = ALL_SPARSE if "all sparse" in name else Policy(dense_gemv_max_tokens=0) if "cuBLAS" in name else None
-    if "threshold" in name:  # at the default 1024 tokens the interpreter takes 5x longer for the same plan
+    if "threshold" in name:  # at the default 1024 tokens the interpreter takes much longer for the same plan
         pol = Policy(sparse_prefill_min_tokens=B * T)
     e = engine.Engine(m, pol, weights)
     with torch.no_grad():
         step = run_step(e, m, B, T, start)
         launches.clear()
         step()
-    plan = e.plan(B * T, start is None, start or 0)
+    plan = e.step_plan(B * T, start is None, start or 0)
     launched = Counter({k: len(v) for k, v in launches.grids.items()})
     assert launched == plan.launches(), f"{name}:\n{plan.text()}"
     kinds = {op.kind for op in plan.layers[0].values()}
@@ -194,9 +194,9 @@ def test_the_printed_plan_names_every_op_where_it_runs():
         assert name in prefill and name in decode
     assert "cuBLAS         one cuBLAS GEMM on the masked input" in prefill  # O and down at 74 tokens
     assert "gemm_mn's decode GEMV, its live-group list" in decode and "only the KV heads whose head group runs" in decode
-    dense8 = engine.Engine(wide_model(routers=False)).plan(8, True)  # no FFN router: no rule to print
+    dense8 = engine.Engine(wide_model(routers=False)).step_plan(8, True)  # no FFN router: no rule to print
     assert not dense8.shape.dense_ffn and "batch rule" not in dense8.text()
-    fp8 = engine.Engine(wide_model(routers=False), weights="fp8").plan(1, True).text()
+    fp8 = engine.Engine(wide_model(routers=False), weights="fp8").step_plan(1, True).text()
     assert "fp8 weights for the prunable linears" in fp8 and "[fp8]" in fp8 and "lm_head" in fp8
 
 
@@ -253,7 +253,7 @@ def test_the_engine_follows_the_vote_rule_and_its_kernels_skip_what_the_vote_dro
         launched = Counter({n: len(v) for n, v in launches.grids.items()})
         out_masks = decode_step_logits(e, 8, got)
         want = decode_step_logits(ref, 8, want_masks)
-    plan = e.plan(8, True)
+    plan = e.step_plan(8, True)
     assert plan.shape.ffn_vote and not plan.shape.dense_ffn and launched == plan.launches()
     assert {plan.layers[0]["gate_up"].kind, plan.layers[0]["down"].kind} == {"gemv_fused", "gemm_k"}
     assert torch.allclose(out_masks, want, atol=1e-4, rtol=1e-4)

@@ -1,12 +1,14 @@
 """The scripts as a user meets them: data, tokenizer, generation, and one-line errors for bad input."""
+import importlib
 import os
 
 import pytest
 import torch
 
 import checkpoints
+import cli
 import data
-from conftest import assert_one_line_error, run_script
+from conftest import assert_one_line_error, run_script, stopped
 import train
 import wide
 from generate import generate
@@ -191,6 +193,35 @@ def test_solve_target_finds_the_sparsity_with_the_requested_flops():
     import eval as ev
     flops = lambda s: 1.0 - 0.6 * s
     assert flops(ev.solve_target(flops, 0.7)) == pytest.approx(0.7, abs=1e-4)
+
+
+def test_cli_run_makes_one_line_of_a_user_error_and_keeps_the_traceback_of_a_bug():
+    def mistake():
+        raise cli.UserError("no checkpoint here; train one first")
+
+    def bug():
+        raise ValueError("an index went wrong")
+    with pytest.raises(SystemExit, match="^error: no checkpoint here; train one first$"):
+        cli.run(mistake)
+    with pytest.raises(ValueError, match="an index went wrong"):  # not swallowed into one line
+        cli.run(bug)
+
+
+@pytest.mark.parametrize("module, flag, more", [
+    ("train", "--out-dir", ()),
+    ("eval", "--results", ("--out-dir", "EMPTY")),
+    ("research.where", "--results", ("--out-dir", "EMPTY")),
+    ("research.mask_union", "--out", ("--out-dir", "EMPTY")),
+    ("bench.ops", "--out", ("--smoke",)),
+])
+def test_an_output_directory_that_cannot_be_written_is_one_line_before_any_work(capsys, tmp_path, module, flag, more):
+    # A path under a file can be made by nobody (permission bits would not stop root). Nothing is trained,
+    # scored or timed first: with an EMPTY --out-dir the missing model would be the next error, another line.
+    (tmp_path / "a-file").write_text("")
+    target = str(tmp_path / "a-file" / "out") + ("/prefix" if flag == "--out" else "")
+    more = [str(tmp_path) if m == "EMPTY" else m for m in more]
+    main = importlib.import_module(module).main
+    assert_one_line_error(stopped(capsys, main, flag, target, *more), flag, "cannot write there")
 
 
 def test_non_positive_sizes_and_a_missing_model_are_one_line_errors(tmp_path):

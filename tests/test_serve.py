@@ -44,7 +44,7 @@ def alone(forward, req):
 def serve_all(forward, reqs, n_slots, slot_len, chunk=None):
     server = serve.Server(forward, n_slots, slot_len, chunk=chunk)
     try:
-        server.run(reqs, now=itertools.count().__next__)  # one tick per clock read: deterministic arrivals
+        server.serve(reqs, now=itertools.count().__next__)  # one tick per clock read: deterministic arrivals
     finally:
         server.close()
     return server

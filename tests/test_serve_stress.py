@@ -30,7 +30,7 @@ def drive(server, reqs, when=lambda: False, act=None):
         if not acted and when():
             act(tick())
             acted = True
-        server.step(tick)
+        server.tick(tick)
     pytest.fail(f"the loop is still busy after 200 iterations: {server.slots}")
 
 
@@ -52,7 +52,7 @@ def test_a_full_queue_rejects_at_once_with_one_line_and_the_queued_requests_stil
     for r in reqs[3:]:  # rejected as a prompt that does not fit is: error, t_done, in done, no tokens
         assert r.error == "rejected: 3 requests already wait (max_queue 3); retry later or raise max_queue"
         assert r.t_done == 5.0 and r.slot is None and r.tokens == [] and r in server.done
-    server.step(lambda: 6.0)  # two of the three take the slots: the queue has room again
+    server.tick(lambda: 6.0)  # two of the three take the slots: the queue has room again
     assert len(server.queue) == 1 and server.submit(reqs[3], now=6.0) and server.queue[-1] is reqs[3]
     with pytest.raises(ValueError, match="already queued or running"):  # the same request twice: a bug
         server.submit(reqs[0])
