@@ -23,7 +23,7 @@ import model as M
 import tiny_models as tm
 import wide
 from conftest import assert_close
-from model import CheckpointError, ModelConfig, Transformer
+from model import CheckpointError, ModelConfig, Transformer, save_checkpoint
 from test_model import randomize_, random_model, tokens
 
 
@@ -446,3 +446,61 @@ def test_router_checkpoints_lists_trained_stages_by_name_and_skips_the_rest(tmp_
     got = [(os.path.basename(p), *rest) for p, *rest in checkpoints.router_checkpoints(str(tmp_path))]
     assert got == [("wide-s0.25-stage1", "wide", 0.25, 1), ("wide-s0.5-stage2", "wide", 0.5, 2)]
     assert checkpoints.router_checkpoints(str(tmp_path / "nowhere")) == []
+
+
+# ----------------------------------------------------------------------------------------------------
+# model.save_checkpoint's swap: the old checkpoint goes to `path.old`, the new one from `path.tmp` to `path`.
+# A failure between the two renames must leave the old checkpoint whole (at `path.old`, named by the error
+# that loading `path` gives) and nothing half-written at `path`. And the exact tensor names written: the
+# Hugging Face Llama layout, `lm_head.weight` for an untied head and no head at all for a tied one. Our
+# loader (and transformers') accept `model.lm_head.weight` too, so only reading the file shows what was written.
+
+def test_a_save_that_fails_between_its_two_renames_keeps_the_old_checkpoint_whole(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    old_model = tm.random_model(1)
+    save_checkpoint(path, old_model)
+    real_replace = os.replace
+
+    def replace(src, dst):  # the first rename (path -> path.old) happens; the second one fails
+        if src.endswith(".tmp"):
+            raise OSError("power cut")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="power cut"):
+        save_checkpoint(path, tm.random_model(2))
+    monkeypatch.undo()
+
+    assert not os.path.exists(path), "nothing half-written may appear at the final path"
+    with pytest.raises(CheckpointError, match=r"ckpt\.old"):  # one line that says where the old one is
+        Transformer.from_pretrained(path)
+    os.rename(path + ".old", path)  # what that line tells the user to do
+    idx = tm.tokens(1, 12)
+    with torch.no_grad():
+        assert torch.equal(Transformer.from_pretrained(path).eval()(idx), old_model(idx)), "the old checkpoint changed"
+
+
+def hf_llama_names(n_layers, tied):
+    """The tensor names of a Hugging Face LlamaForCausalLM checkpoint."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if tied else {"lm_head.weight"})
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
+        names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+    return names
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["dense", "with unmerged LoRA"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_checkpoint_tensor_names_are_exactly_hugging_face_llamas(tmp_path, tied, lora):
+    from safetensors import safe_open
+    model = tm.random_model(3, tie_embeddings=tied)
+    if lora:  # a LoRA-wrapped projection keeps its frozen weight under the projection's own name
+        wide.install_lora(model, rank=2, alpha=4.0)
+    save_checkpoint(str(tmp_path), model)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert names == hf_llama_names(model.config.n_layers, tied)
+        if not tied:
+            assert torch.equal(f.get_tensor("lm_head.weight"), model.lm_head.weight)

@@ -8,6 +8,7 @@ The models are the small ones of tiny_models.py (2 layers, 2 head groups and 4 c
 import copy
 import json
 import os
+import types
 
 import pytest
 import torch
@@ -293,3 +294,45 @@ def test_generate_dial_errors_are_one_line(out_dir, tmp_path):
     save_checkpoint(str(broken), Transformer.from_pretrained(f"{out_dir}/base"), data.train_tokenizer([TEXT], 300))
     (broken / "wide.json").write_text("{not json")
     assert_one_line_error(run_script("generate.py", "--out-dir", str(tmp_path), "--sparsity", "0.3"), "corrupt")
+
+
+# ----------------------------------------------------------------------------------------------------
+# calibrate's split of a target over the routers (one common shift per target, so each router keeps its
+# own share, not the target itself), and the tie rule inside the calibration hook (dial.dialled: a gap
+# exactly at the offset executes, as the folded bias does)
+
+@pytest.mark.parametrize("targets", [dict(target=0.4), dict(attn_target=0.6, ffn_target=0.2)],
+                         ids=["shared target", "separate targets"])
+def test_calibration_gives_each_router_its_own_sampled_rate_under_one_shift_per_target(targets):
+    model, _ = wide_model()
+    with torch.no_grad():  # FFN routers that lean to skipping: a shared target must not split evenly
+        for layer in model.layers:
+            layer.ffn_router.up.bias[1::2] += 1.5
+    offsets, realized = dial.calibrate(model, WINDOWS, **targets)
+    gaps = dial.collect_gaps(model, WINDOWS, None)  # {(kind, layer): skip-minus-execute gaps}, no dial
+    if "target" in targets:
+        members = {("attn", "ffn"): targets["target"]}
+    else:
+        members = {("attn",): targets["attn_target"], ("ffn",): targets["ffn_target"]}
+    for kinds, t in members.items():
+        mine = {key: g for key, g in gaps.items() if key[0] in kinds}
+        c = dial.solve_shift(list(mine.values()), t)  # one shift for every router of this target
+        share = {key: torch.sigmoid(g + c).mean().item() for key, g in mine.items()}
+        assert sum(share.values()) / len(share) == pytest.approx(t, abs=1e-6)
+        assert max(share.values()) - min(share.values()) > 0.03, "the routers' shares should differ"
+        for (kind, i), want in share.items():
+            # As near as equal gaps allow (a token that recurs has one gap): well within 0.01 here.
+            assert realized[kind][i] == pytest.approx(want, abs=0.01), f"{kind} router of layer {i}"
+
+
+def test_inside_the_calibration_hook_a_gap_exactly_at_the_offset_executes():
+    router = wide.Router(dim=4, n_groups=2, rank=2).eval()
+    with torch.no_grad():
+        router.up.weight.zero_()
+        router.up.bias.copy_(torch.tensor([0.5, 0.25, 0.5, 0.75]))  # gaps z_skip - z_exec: -0.25, +0.25
+    model = types.SimpleNamespace(layers=[types.SimpleNamespace(attn_router=router, ffn_router=None, layer_router=None)])
+    x = torch.randn(3, 5, 4)
+    for offset, keep in ((0.25, [1.0, 0.0]), (-0.25, [1.0, 1.0]), (0.2500001, [0.0, 0.0])):
+        with dial.dialled(model, {"attn": [offset]}), torch.no_grad():
+            out = router(x)
+        assert torch.equal(out, torch.tensor(keep).expand(3, 5, 2)), f"offset {offset}: a tie executes"

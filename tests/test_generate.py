@@ -14,7 +14,7 @@ import checkpoints
 import data
 import engine
 import wide
-from generate import generate, main, token_widths
+from generate import generate, main, sample, token_widths
 from conftest import assert_one_line_error, run_script, stopped
 from model import ModelConfig, Transformer, load_tokenizer
 
@@ -154,3 +154,17 @@ def test_generate_cli_compares_wide_with_dense_in_the_same_engine(out_dir):
     assert r.returncode == 0, r.stderr
     assert "dense (routers off, same engine)" in r.stdout and "WIDE / dense decode speed" in r.stdout
     assert "batch 2" in r.stdout and "backend torch" in r.stdout
+
+
+# ----------------------------------------------------------------------------------------------------
+# top-k sampling (sample): draws go beyond the argmax, and never outside each row's top k
+
+def test_top_k_sampling_draws_beyond_the_argmax_but_never_outside_each_rows_top_k():
+    k, n = 4, 2000
+    logits = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    rows = logits.repeat_interleave(n, 0)  # n draws from each row, one generator: many independent seeds
+    draws = sample(rows, temperature=1.0, top_k=k, generator=torch.Generator().manual_seed(1))
+    for r in range(2):
+        seen = set(draws[r * n:(r + 1) * n].flatten().tolist())
+        top = set(torch.topk(logits[r], k).indices.tolist())
+        assert seen == top, f"row {r}: drew {sorted(seen)}, its top {k} are {sorted(top)}"

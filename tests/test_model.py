@@ -9,6 +9,7 @@ default 0.02 init attention is almost uniform and the norms are all ones, so a m
 swapped norms or a wrong RoPE pairing would hardly move the logits and could slip through.
 """
 import copy
+import math
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 import model as M
 from conftest import assert_close
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, rope_frequencies
 
 
 @pytest.fixture(autouse=True)
@@ -528,3 +529,29 @@ def test_model_imports_and_runs_without_triton():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------------
+# llama3 RoPE's smoothed middle band (rope_frequencies): the frequencies whose wavelength lies between
+# original_max / high_freq_factor and original_max / low_freq_factor are interpolated between "slowed by
+# factor" and "kept". The Hugging Face parity tests use head_dim 8, which has no frequency there;
+# Llama-3.1-8B's RoPE (head_dim 128, theta 500000, context 8192) has three, compared with transformers'
+# own llama3 initialisation.
+
+def test_llama3_rope_interpolates_the_middle_band_as_transformers_does():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    transformers.utils.logging.set_verbosity_error()
+    cfg = ModelConfig.from_name("llama-3.1-8b")
+    s = cfg.rope_scaling
+    hf_cfg = transformers.LlamaConfig(hidden_size=cfg.dim, num_attention_heads=cfg.n_heads, head_dim=cfg.head_dim,
+                                      max_position_embeddings=131072,
+                                      rope_parameters=dict(s, rope_theta=cfg.rope_theta))
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    ours = rope_frequencies(cfg)
+    wavelen = 2 * math.pi / ours
+    old = s["original_max_position_embeddings"]
+    band = (wavelen > old / s["high_freq_factor"]) & (wavelen < old / s["low_freq_factor"])
+    assert band.sum() >= 3, "the test needs frequencies inside the smoothed band"
+    # Ratios, not differences: the band's frequencies are ~1e-3, the highest is 1.
+    assert_close(ours / theirs, torch.ones_like(ours), atol=1e-6, what="our / transformers' inverse frequencies")

@@ -122,6 +122,16 @@ def test_a_recipe_moves_the_defaults_and_a_given_flag_still_wins():
             train.parse_args(["--recipe", "gpu"])
 
 
+def test_the_gpu_recipe_sets_its_own_budget():
+    # Every value --recipe gpu sets, none overridden by a flag (--device cpu aside, so that it parses here):
+    # the test above overrides --stage2-steps, so it cannot see that value change.
+    gpu, _ = train.parse_args(["--recipe", "gpu", "--device", "cpu"])
+    assert (gpu.out_dir, gpu.batch_size, gpu.base_steps, gpu.stage1_steps, gpu.stage2_steps, gpu.ckpt_interval) == \
+        ("out-gpu", 512, 500, 1600, 1600, 400)
+    assert train.RECIPES["gpu"]["device"] == "cuda" and set(train.RECIPES["gpu"]) == {
+        "out_dir", "device", "batch_size", "base_steps", "stage1_steps", "stage2_steps", "ckpt_interval"}
+
+
 def test_stages_train_with_the_papers_optimizer_settings_and_stage_2_adds_lora(tokenizer, tmp_path, monkeypatch):
     args, _ = train.parse_args(["--device", "cpu", "--out-dir", str(tmp_path), "--stage1-steps", "20",
                                 "--stage2-steps", "30", "--lora-rank", "4", "--lora-alpha", "8",
