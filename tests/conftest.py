@@ -10,6 +10,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (pytest.ini: -n auto) each worker takes its share of the cores: the test models are
+# tiny, and workers whose threads fight over the same cores are slower than one thread each.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 # The project is a set of flat scripts at the repository root; make them importable from tests.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -89,17 +94,27 @@ def run_script(*args, timeout=300):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-def stopped(capsys, main, *args):
-    """cli.run(main, args) in this process, as a script's `__main__` calls it, for a command line that must
-    stop before any work (a bad flag): its exit as run_script reports one (returncode, stdout, stderr), for
-    assert_one_line_error. Much faster than a subprocess, which only adds the interpreter's start."""
+def run_main(capsys, main, *args):
+    """cli.run(main, args) in this process, as a script's `__main__` calls it: the run as run_script reports
+    it (returncode, stdout, stderr), for assert_one_line_error. Much faster than a subprocess, which only
+    adds the interpreter's start (and a GPU hidden from it: tests of that keep run_script)."""
     import cli
-    with pytest.raises(SystemExit) as stop:
+    code = 0
+    try:
         cli.run(main, list(args))
-    out, code = capsys.readouterr(), stop.value.code
+    except SystemExit as stop:
+        code = stop.code
+    out = capsys.readouterr()
     # argparse prints its line and exits 2; cli.fail's line is the SystemExit's message (exit code 1)
     message = code if isinstance(code, str) else ""
-    return SimpleNamespace(returncode=1 if message else code, stdout=out.out, stderr=out.err + message)
+    return SimpleNamespace(returncode=1 if message else (code or 0), stdout=out.out, stderr=out.err + message)
+
+
+def stopped(capsys, main, *args):
+    """run_main for a command line that must stop before any work (a bad flag)."""
+    r = run_main(capsys, main, *args)
+    assert r.returncode != 0, f"the command ran to its end:\n{r.stdout[-2000:]}"
+    return r
 
 
 def assert_one_line_error(result, *words):

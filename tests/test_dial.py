@@ -17,7 +17,7 @@ import checkpoints
 import data
 import dial
 import wide
-from conftest import assert_one_line_error, run_script
+from conftest import assert_one_line_error, run_main, stopped
 from model import CheckpointError, Transformer, save_checkpoint
 from tiny_models import random_model, tokens, wide_config, wide_model
 
@@ -263,8 +263,10 @@ def out_dir(tmp_path_factory, tokenizer):
     return str(out)
 
 
-def test_generate_dials_any_sparsity_and_names_the_checkpoint_and_offsets(out_dir):
-    r = run_script("generate.py", "--out-dir", out_dir, "--sparsity", "0.3", "--max-new-tokens", "8")
+def test_generate_dials_any_sparsity_and_names_the_checkpoint_and_offsets(out_dir, capsys, monkeypatch):
+    import generate
+    monkeypatch.setattr(data, "split_plays", lambda: ([TEXT * 40], [TEXT]))  # calibrate on less text
+    r = run_main(capsys, generate.main, "--out-dir", out_dir, "--sparsity", "0.3", "--max-new-tokens", "8")
     assert r.returncode == 0, r.stderr
     assert f"checkpoint: {out_dir}/wide-s0.5-stage1 (wide, target 0.5, stage 1)" in r.stdout
     assert "dial: sparsity 0.3; offsets attn [" in r.stdout and "ffn [" in r.stdout, r.stdout
@@ -280,20 +282,21 @@ def test_generate_dials_attention_and_ffn_separately(out_dir, capsys, monkeypatc
     assert "dial: attn 0.6 ffn 0.1; offsets attn [" in out, out
 
 
-def test_generate_dial_errors_are_one_line(out_dir, tmp_path):
-    assert_one_line_error(run_script("generate.py", "--out-dir", str(tmp_path), "--sparsity", "0.3"),
+def test_generate_dial_errors_are_one_line(out_dir, tmp_path, capsys):
+    from generate import main
+    assert_one_line_error(stopped(capsys, main, "--out-dir", str(tmp_path), "--sparsity", "0.3"),
                           "no wide router checkpoint", "python train.py")
-    assert_one_line_error(run_script("generate.py", "--checkpoint", f"{out_dir}/base", "--sparsity", "0.3"),
+    assert_one_line_error(stopped(capsys, main, "--checkpoint", f"{out_dir}/base", "--sparsity", "0.3"),
                           "needs a router checkpoint", "dense model")
-    assert_one_line_error(run_script("generate.py", "--checkpoint", str(tmp_path / "nope"), "--sparsity", "0.3"),
+    assert_one_line_error(stopped(capsys, main, "--checkpoint", str(tmp_path / "nope"), "--sparsity", "0.3"),
                           "does not exist")
-    assert_one_line_error(run_script("generate.py", "--out-dir", out_dir, "--attn-sparsity", "0.3"), "--ffn-sparsity")
-    assert_one_line_error(run_script("generate.py", "--out-dir", out_dir, "--ffn-sparsity", "1.2",
-                                     "--attn-sparsity", "0.1"), "outside [0, 1)")
+    assert_one_line_error(stopped(capsys, main, "--out-dir", out_dir, "--attn-sparsity", "0.3"), "--ffn-sparsity")
+    assert_one_line_error(stopped(capsys, main, "--out-dir", out_dir, "--ffn-sparsity", "1.2",
+                                  "--attn-sparsity", "0.1"), "outside [0, 1)")
     broken = tmp_path / "wide-s0.5-stage1"
     save_checkpoint(str(broken), Transformer.from_pretrained(f"{out_dir}/base"), data.train_tokenizer([TEXT], 300))
     (broken / "wide.json").write_text("{not json")
-    assert_one_line_error(run_script("generate.py", "--out-dir", str(tmp_path), "--sparsity", "0.3"), "corrupt")
+    assert_one_line_error(stopped(capsys, main, "--out-dir", str(tmp_path), "--sparsity", "0.3"), "corrupt")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -12,10 +12,9 @@ import torch
 
 import checkpoints
 import data
-import engine
 import wide
 from generate import generate, main, sample, token_widths
-from conftest import assert_one_line_error, run_script, stopped
+from conftest import assert_one_line_error, run_main, stopped
 from model import ModelConfig, Transformer, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,19 +41,14 @@ def out_dir(tmp_path_factory):
     return str(out)
 
 
-def run_main(capsys, *args):
-    main(list(args))
-    return capsys.readouterr().out
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compares fp32 text under the CPU interpreter; on a GPU "
                     "generate.py runs bf16 (test_e2e compares fp32 greedy tokens on the GPU)")
 def test_triton_backend_gives_the_reference_text_with_the_skipping_kernels_launched(out_dir, capsys, launches):
     common = ("--out-dir", out_dir, "--sparsity", "0.5", "--temperature", "0", "--max-new-tokens", "12",
               "--prompt", "ROMEO:", "--prompt", "But soft, what light")
-    ref = run_main(capsys, *common, "--backend", "torch")
+    ref = run_main(capsys, main, *common, "--backend", "torch").stdout
     assert not launches.grids, "the torch backend launches no Triton kernel"
-    out = run_main(capsys, *common, "--backend", "triton")
+    out = run_main(capsys, main, *common, "--backend", "triton").stdout
     plan = "backend triton; where each op runs:\n" + "a prefill of "
     assert plan in out, "generate.py --backend triton prints where each op runs"
     policy = out[out.index("backend triton"):out.index("\n", out.index("lm_head", out.index("a decode step"))) + 1]
@@ -91,8 +85,8 @@ def test_show_width_reports_each_rows_own_tokens_not_the_padding(out_dir):
 
 def test_realized_sparsity_line_is_the_mean_over_each_rows_own_tokens(out_dir, capsys):
     prompts = ["ROMEO:", "But soft, what light through"]
-    out = run_main(capsys, "--out-dir", out_dir, "--sparsity", "0.5", "--temperature", "0", "--max-new-tokens", "6",
-                   "--backend", "torch", "--device", "cpu", "--prompt", prompts[0], "--prompt", prompts[1])
+    out = run_main(capsys, main, "--out-dir", out_dir, "--sparsity", "0.5", "--temperature", "0", "--max-new-tokens",
+                   "6", "--backend", "torch", "--device", "cpu", "--prompt", prompts[0], "--prompt", prompts[1]).stdout
     line = next(l for l in out.splitlines() if l.startswith("realized sparsity"))
     printed = [float(line.split(f"{k} ")[1].split("%")[0]) for k in ("attention", "FFN")]
     # The same numbers from each prompt generated alone (greedy: the same tokens as in the batch).
@@ -107,10 +101,6 @@ def test_realized_sparsity_line_is_the_mean_over_each_rows_own_tokens(out_dir, c
     assert printed == pytest.approx(expected, abs=0.051), (line, expected)
 
 
-def run_generate(*args):
-    return run_script("generate.py", *args)
-
-
 @pytest.mark.parametrize("flags, words", [
     (("--top-k", "-5"), ("--top-k", "-5")),
     (("--device", "tpu"), ("--device", "tpu")),
@@ -118,8 +108,8 @@ def run_generate(*args):
     (("--sparsity", "1.5"), ("outside [0, 1)",)),
     (("--temperature", "-1"), ("--temperature",)),
 ])
-def test_every_invalid_flag_ends_in_one_line_and_a_nonzero_exit(out_dir, flags, words):
-    assert_one_line_error(run_generate("--out-dir", out_dir, "--max-new-tokens", "2", *flags), *words)
+def test_every_invalid_flag_ends_in_one_line_and_a_nonzero_exit(out_dir, capsys, flags, words):
+    assert_one_line_error(stopped(capsys, main, "--out-dir", out_dir, "--max-new-tokens", "2", *flags), *words)
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -148,9 +138,9 @@ def test_triton_backend_without_a_gpu_or_the_interpreter_is_one_line(out_dir):
     assert r.returncode != 0 and "Traceback" not in r.stderr and "TRITON_INTERPRET=1" in r.stderr, r.stderr
 
 
-def test_generate_cli_compares_wide_with_dense_in_the_same_engine(out_dir):
-    r = run_generate("--out-dir", out_dir, "--sparsity", "0.5", "--compare-dense", "--max-new-tokens", "6",
-                   "--prompt", "ROMEO:", "--prompt", "But soft")
+def test_generate_cli_compares_wide_with_dense_in_the_same_engine(out_dir, capsys):
+    r = run_main(capsys, main, "--out-dir", out_dir, "--sparsity", "0.5", "--compare-dense", "--max-new-tokens", "6",
+                 "--prompt", "ROMEO:", "--prompt", "But soft")
     assert r.returncode == 0, r.stderr
     assert "dense (routers off, same engine)" in r.stdout and "WIDE / dense decode speed" in r.stdout
     assert "batch 2" in r.stdout and "backend torch" in r.stdout

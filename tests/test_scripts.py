@@ -8,7 +8,8 @@ import torch
 import checkpoints
 import cli
 import data
-from conftest import assert_one_line_error, run_script, stopped
+import generate as gen
+from conftest import assert_one_line_error, run_main, run_script, stopped
 import train
 import wide
 from generate import generate
@@ -109,35 +110,36 @@ def test_generate_cli_prints_text_and_speed(checkpoint):
     assert r.stdout.startswith("checkpoint:") and "ROMEO:" in r.stdout and "tokens/s" in r.stdout
 
 
-def test_empty_prompt_starts_a_new_passage(checkpoint):
-    r = run_script("generate.py", "--checkpoint", checkpoint, "--prompt", "", "--max-new-tokens", "3")
+def test_empty_prompt_starts_a_new_passage(checkpoint, capsys):
+    r = run_main(capsys, gen.main, "--checkpoint", checkpoint, "--prompt", "", "--max-new-tokens", "3")
     assert r.returncode == 0, r.stderr
 
 
 # ----------------------------------------------------------------------------------------------------
-# bad input: one clear line on stderr, a non-zero exit, no traceback
+# bad input: one clear line on stderr, a non-zero exit, no traceback (in this process, as cli.run runs a
+# script's main; the subprocess tests keep the `__main__` of each script and a GPU hidden from it)
 
 
-def test_missing_checkpoint_is_one_line_error(tmp_path):
-    assert_one_line_error(run_script("generate.py", "--checkpoint", str(tmp_path / "nope")), "does not exist")
+def test_missing_checkpoint_is_one_line_error(tmp_path, capsys):
+    assert_one_line_error(stopped(capsys, gen.main, "--checkpoint", str(tmp_path / "nope")), "does not exist")
 
 
-def test_corrupt_safetensors_is_one_line_error(checkpoint, tmp_path):
+def test_corrupt_safetensors_is_one_line_error(checkpoint, tmp_path, capsys):
     bad = tmp_path / "bad"
     bad.mkdir()
     for f in ("config.json", "tokenizer.json"):
         (bad / f).write_bytes(open(os.path.join(checkpoint, f), "rb").read())
     (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    assert_one_line_error(run_script("generate.py", "--checkpoint", str(bad)), "model.safetensors")
+    assert_one_line_error(stopped(capsys, gen.main, "--checkpoint", str(bad)), "model.safetensors")
 
 
-def test_prompt_longer_than_context_is_one_line_error(checkpoint):
-    r = run_script("generate.py", "--checkpoint", checkpoint, "--prompt", "window " * 100)
+def test_prompt_longer_than_context_is_one_line_error(checkpoint, capsys):
+    r = stopped(capsys, gen.main, "--checkpoint", checkpoint, "--prompt", "window " * 100)
     assert_one_line_error(r, "longer than the model's context")
 
 
-def test_prompt_plus_new_tokens_beyond_context_is_one_line_error(checkpoint):
-    r = run_script("generate.py", "--checkpoint", checkpoint, "--max-new-tokens", "100")
+def test_prompt_plus_new_tokens_beyond_context_is_one_line_error(checkpoint, capsys):
+    r = stopped(capsys, gen.main, "--checkpoint", checkpoint, "--max-new-tokens", "100")
     assert_one_line_error(r, "--max-new-tokens")
 
 
@@ -146,33 +148,33 @@ def test_cuda_without_a_gpu_is_one_line_error(checkpoint):
     assert_one_line_error(run_script("train.py", "--device", "cuda"), "no CUDA")
 
 
-def test_unknown_preset_is_one_line_error():
-    assert_one_line_error(run_script("train.py", "--preset", "huge"), "unknown preset", "tiny")
+def test_unknown_preset_is_one_line_error(capsys):
+    assert_one_line_error(stopped(capsys, train.main, "--preset", "huge"), "unknown preset", "tiny")
 
 
-def test_sparsity_outside_unit_interval_is_one_line_error(checkpoint):
-    assert_one_line_error(run_script("train.py", "--sparsity", "1.0"), "outside [0, 1)")
-    assert_one_line_error(run_script("generate.py", "--sparsity", "-0.1"), "outside [0, 1)")
+def test_sparsity_outside_unit_interval_is_one_line_error(capsys):
+    assert_one_line_error(stopped(capsys, train.main, "--sparsity", "1.0"), "outside [0, 1)")
+    assert_one_line_error(stopped(capsys, gen.main, "--sparsity", "-0.1"), "outside [0, 1)")
 
 
-def test_group_size_that_does_not_divide_is_one_line_error():
-    assert_one_line_error(run_script("train.py", "--ffn-group-size", "7"), "does not divide")
-    assert_one_line_error(run_script("train.py", "--attn-group-size", "3"), "does not divide")
+def test_group_size_that_does_not_divide_is_one_line_error(capsys):
+    assert_one_line_error(stopped(capsys, train.main, "--ffn-group-size", "7"), "does not divide")
+    assert_one_line_error(stopped(capsys, train.main, "--attn-group-size", "3"), "does not divide")
 
 
-def test_sparsity_without_a_trained_router_names_the_command(tmp_path):
-    r = run_script("generate.py", "--out-dir", str(tmp_path), "--sparsity", "0.3")
+def test_sparsity_without_a_trained_router_names_the_command(tmp_path, capsys):
+    r = stopped(capsys, gen.main, "--out-dir", str(tmp_path), "--sparsity", "0.3")
     assert_one_line_error(r, "python train.py", "0.3")
 
 
-def test_show_width_on_a_router_checkpoint_colours_tokens(checkpoint, tmp_path):
+def test_show_width_on_a_router_checkpoint_colours_tokens(checkpoint, tmp_path, capsys):
     model = Transformer.from_pretrained(checkpoint)
     wcfg = wide.WideConfig(ffn_group_size=16)
     wide.install_routers(model, wcfg)
     path = str(tmp_path / "wide-s0.5-stage1")
     checkpoints.save_wide(path, model, load_tokenizer(checkpoint), wcfg)
-    r = run_script("generate.py", "--out-dir", str(tmp_path), "--sparsity", "0.5", "--show-width",
-                   "--max-new-tokens", "8")
+    r = run_main(capsys, gen.main, "--out-dir", str(tmp_path), "--sparsity", "0.5", "--show-width",
+                 "--max-new-tokens", "8")
     assert r.returncode == 0, r.stderr
     assert "\033[" in r.stdout and "realized sparsity" in r.stdout and "executed linear FLOPs" in r.stdout
 
@@ -243,15 +245,16 @@ def test_every_numeric_flag_is_parsed_by_a_checking_type(script):
 
 
 @pytest.mark.parametrize("script,flag,value,words", [
-    ("train.py", "--base-steps", "-3", ("--base-steps", "outside >= 1")),
-    ("train.py", "--stage1-lr", "nan", ("--stage1-lr", "not a finite number")),
-    ("train.py", "--lora-alpha", "0", ("--lora-alpha", "outside > 0")),
-    ("train.py", "--ckpt-interval", "2.5", ("--ckpt-interval", "not a whole number")),
-    ("eval.py", "--dial", "1.5", ("--dial", "outside [0, 1)")),
-    ("eval.py", "--shared-batch", "0", ("--shared-batch", "outside >= 1")),
+    ("train", "--base-steps", "-3", ("--base-steps", "outside >= 1")),
+    ("train", "--stage1-lr", "nan", ("--stage1-lr", "not a finite number")),
+    ("train", "--lora-alpha", "0", ("--lora-alpha", "outside > 0")),
+    ("train", "--ckpt-interval", "2.5", ("--ckpt-interval", "not a whole number")),
+    ("eval", "--dial", "1.5", ("--dial", "outside [0, 1)")),
+    ("eval", "--shared-batch", "0", ("--shared-batch", "outside >= 1")),
 ])
-def test_a_bad_number_is_one_line_error_before_any_work(tmp_path, script, flag, value, words):
+def test_a_bad_number_is_one_line_error_before_any_work(tmp_path, capsys, script, flag, value, words):
     # --stage 1 / an empty --out-dir: a value that slipped through would fail on the missing base model
     # (another line), never start training.
-    where = ["--out-dir", str(tmp_path)] + (["--stage", "1"] if script == "train.py" else [])
-    assert_one_line_error(run_script(script, *where, flag, value), *words)
+    where = ["--out-dir", str(tmp_path)] + (["--stage", "1"] if script == "train" else [])
+    main = importlib.import_module(script).main
+    assert_one_line_error(stopped(capsys, main, *where, flag, value), *words)
