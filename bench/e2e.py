@@ -555,7 +555,7 @@ def main(argv=None):
     p.add_argument("--decode", type=decode_rows, default=None,
                    help="decode rows as BxC,BxC (default 1x1024,1x8192,8x1024,32x8192)")
     p.add_argument("--budget-s", type=cli.real(0, lo_open=True), default=420, help="start no new row after this "
-                   "many seconds (default 420: the default set then ends within about 8 minutes on an H200)")
+                   "many seconds")
     p.add_argument("--small-dir", default="out", help="where to look for a trained router checkpoint")
     p.add_argument("--append", action="store_true", help="keep the rows of the parts not run from the --out file")
     args = p.parse_args(argv)

@@ -187,10 +187,10 @@ def test_e2e_markdown_lists_every_target_with_a_verdict(e2e_run):
         assert line.endswith(("| met |", "| missed |", "| |"))
 
 
-def test_smoke_never_writes_under_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "-m", "bench.e2e", "--smoke", "--out", "results/e2e_smoke"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=120)
+def test_smoke_never_writes_under_results(capsys, monkeypatch):
+    from bench import e2e
+    monkeypatch.setattr(kernels_base, "INTERPRET", True)  # as --smoke runs (the CPU test setup)
+    r = stopped(capsys, e2e.main, "--smoke", "--out", "results/e2e_smoke")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "results/" in r.stderr
     assert not os.path.exists(os.path.join(ROOT, "results", "e2e_smoke.json"))
@@ -212,11 +212,11 @@ def test_e2e_append_replaces_only_the_parts_it_runs(tmp_path, e2e_run):
     assert "Rows by part: " in md
 
 
-def test_e2e_append_onto_a_file_that_is_not_its_results_is_one_line(tmp_path):
+def test_e2e_append_onto_a_file_that_is_not_its_results_is_one_line(tmp_path, capsys, monkeypatch):
+    from bench import e2e
     (tmp_path / "bench.json").write_text("{not json")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "-m", "bench.e2e", "--smoke", "--only", "fp8", "--append", "--out",
-                        str(tmp_path / "bench")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    monkeypatch.setattr(kernels_base, "INTERPRET", True)  # as --smoke runs (the CPU test setup)
+    r = stopped(capsys, e2e.main, "--smoke", "--only", "fp8", "--append", "--out", str(tmp_path / "bench"))
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "--append" in r.stderr
 

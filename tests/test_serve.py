@@ -10,8 +10,6 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ import engine
 import kernels_base
 import serve
 from bench import common, serving
-from conftest import ROOT, assert_one_line_error, stopped
+from conftest import assert_one_line_error, stopped
 from generate import generate
 from research import mask_union
 from test_e2e import SKIPPING, wide_model
@@ -134,22 +132,16 @@ def test_serving_bench_smoke_writes_its_tables(tmp_path):
     assert "TPOT" in open(tmp_path / "serving.md").read() and math.isinf(rec["rows"][0]["rate"])
 
 
-def run_bench_serve(*args, interpreter):
-    """python -m bench.serving ARGS with no GPU visible, under the Triton interpreter or not (a GPU machine
-    runs its tests without it: run_script would pass on the CPU's TRITON_INTERPRET=1)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(CUDA_VISIBLE_DEVICES="", **({"TRITON_INTERPRET": "1"} if interpreter else {}))
-    return subprocess.run([sys.executable, "-m", "bench.serving", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
-
-
 @pytest.mark.parametrize("interpreter", [True, False], ids=["interpreter", "no-interpreter"])
 @pytest.mark.parametrize("smoke", [("--smoke",), ()], ids=["smoke", "full-run"])
-def test_serving_bench_refuses_a_bad_token_range_in_one_line_before_the_device_check(interpreter, smoke):
-    # The four combinations of --smoke and TRITON_INTERPRET: three of them are refused by the device
-    # check (--smoke needs the interpreter; a real run needs a GPU and no interpreter), so only a flag
+def test_serving_bench_refuses_a_bad_token_range_in_one_line_before_the_device_check(capsys, monkeypatch,
+                                                                                      interpreter, smoke):
+    # The four combinations of --smoke and TRITON_INTERPRET, no GPU visible: three of them are refused by the
+    # device check (--smoke needs the interpreter; a real run needs a GPU and no interpreter), so only a flag
     # checked before it answers with the token range in all four.
-    r = run_bench_serve(*smoke, "--prompt", "5,2", interpreter=interpreter)
+    monkeypatch.setattr(kernels_base, "INTERPRET", interpreter)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = stopped(capsys, serving.main, *smoke, "--prompt", "5,2")
     assert_one_line_error(r, "--prompt", "LO,HI")
 
 
