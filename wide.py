@@ -13,7 +13,8 @@ This file follows the paper's order:
   4. skip rates: the fraction of groups skipped over valid tokens x layers x groups;
   5. the penalty: loss = CE + 20 * |s* - (r_attn + r_ffn) / 2|  (train.py writes that line);
   6. LoRA (stage 2) on every projection, merged exactly before inference;
-  7. FLOP accounting: the fraction of linear-layer FLOPs a token executes.
+  7. FLOP accounting: the fraction of linear-layer FLOPs a token executes;
+  8. (ours, for serving) FFNRule: the FFN width of a decode step of many rows (the batch and vote rules).
 
 Where to look for the rest:
   model.py    the two lines marked "WIDE:": head_mask multiplies the head outputs before o_proj, and
@@ -28,8 +29,8 @@ Where to look for the rest:
               exits of gemm_mn and prefill attention (a tile no token of its group runs returns before
               any load), and decode attention's KV-head skip (a row's KV head whose query-head groups are
               all off is never read). tests/test_skipped_work.py records every load and checks it.
-  policy.py, engine.py  which op runs where for each step's shape (Policy.plan), and the Triton path
-              that runs the plan.
+  policy.py, engine.py  which op runs where for each step's shape (Policy.plan; Policy.layer_plan decides
+              op by op, and names every token-count threshold), and the Triton path that runs the plan.
   dial.py     the sparsity dial: per-(layer, router type) offsets on the skip-minus-execute gap, calibrated
               so that deterministic routing realizes a requested sparsity (any S from one checkpoint).
   checkpoints.py  router checkpoints (the dense weights + router / LoRA tensors + wide.json), the run
