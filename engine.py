@@ -100,7 +100,7 @@ class StepInputs(NamedTuple):
     all_heads: torch.Tensor  # [B, 1] all True: the dense model's decode attention
     visible: torch.Tensor   # [B, 1, 1, L] cache slots each row may see (the "decode_sdpa" attention)
     start: int              # a prefill's first position: 0, or where a chunk of a longer prompt begins
-    every_head: object = None  # the layout of every head group on, for the "prefill_every" attention of a
+    every_head: object = None  # the layout of every head group live, for the "prefill_every" attention of a
                                # dense layer's later chunk: built once per step (plan op step_every_head)
     plan: Plan = None       # what runs where in this step (policy.py)
 
@@ -277,7 +277,7 @@ class Engine:
             qkv = kernels.gemm_mn(x2, wqkv, self.no_groups(M), dense_group(wqkv.shape[0]),
                                   dense_tail=wqkv.shape[0], w_scale=s8)
         elif op.kind == "tiles":
-            # Q proj, active groups only; pruned slots stay unwritten (attention never reads them).
+            # Q proj, live groups only; pruned slots stay unwritten (attention never reads them).
             q = kernels.gemm_mn(x2, wqkv[:nq], lay, gs, zero_pruned=False)
             kv = F.linear(x2, wqkv[nq:])  # K and V in one GEMM: never pruned
         else:  # "cublas", "cublas_every_head": Q, K, V in one GEMM
@@ -334,7 +334,7 @@ class Engine:
             if op.kind == "cublas_masked":
                 a = (a.view(M, -1, gs) * mask[..., None]).view(M, -1)  # zero the pruned channel groups
         else:
-            # gate+up fused, active channel groups only, silu(gate)*up in the epilogue, pruned slots 0.
+            # gate+up fused, live channel groups only, silu(gate)*up in the epilogue, pruned slots 0.
             up_scale = None if sgu is None else sgu[I:]
             gate_scale = None if sgu is None else sgu[:I]
             if op.kind == "gemv_fused_all":  # every row as the decode GEMV's dense tail: mask [M, 0]

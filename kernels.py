@@ -76,7 +76,7 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, 
     """out[t, n] = x[t] . w[n] (or silu(x.w[n]) * x.w_up[n]) for the tokens t that run n's group.
 
     Grid (len(work), GS // BN). Program = one work item (group g, tile of BM tokens in g's sorted
-    order) x one BN slice of g's output channels. Tiles past count[g] hold no active token: they
+    order) x one BN slice of g's output channels. Tiles past count[g] hold no live token: they
     exit before loading x or w (block skip) and only write zeros (ZERO). In the boundary tile the
     rows past count[g] are predicated off in the x loads (intra-block skip) and stored as zeros.
     Twin: gemm_mn_ref.
@@ -328,7 +328,7 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, 
     accumulator holds whole output rows and partial sums never leave registers: no atomics, and
     the result is deterministic (fixed summation order). The K loop visits only the groups that
     some token of the tile runs (block skip: other groups' weights are never read); inside, the
-    a-rows of inactive tokens are predicated off (intra-block skip: pruned slots are never read,
+    a-rows of skipped tokens are predicated off (intra-block skip: pruned slots are never read,
     so garbage there is harmless). With M <= 16 this is the decode GEMV; there a tile has too few
     rows to keep the memory system busy, so SPLIT > 1 programs (grid axis 1) share a tile's live
     groups, each writing an fp32 partial [SPLIT, M, N]; the last of them to take the tile's ticket
@@ -399,7 +399,7 @@ def _gemm_k_atomic_kernel(a, w, out32, counts, perm, work, M, N, NT, sam, swn,
 
     Grid (len(work), cdiv(N,BN)). Program = one group's sorted token tile x BN outputs; it sums
     that group's GS columns only (exact FLOP skipping) and atomically adds the partial into an
-    fp32 buffer. Every active (token, group) pair costs N atomic adds, (1-s)*G*M*N in all, and
+    fp32 buffer. Every live (token, group) pair costs N atomic adds, (1-s)*G*M*N in all, and
     the summation order (so the rounding) depends on scheduling: not deterministic.
     Twin: gemm_k_ref.
     """

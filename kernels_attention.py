@@ -1,12 +1,12 @@
 """
-WIDE attention kernels: causal prefill and split-KV decode over the active query-head groups only.
+WIDE attention kernels: causal prefill and split-KV decode over the live query-head groups only.
 
-Same contract as kernels.py: each op has a PyTorch twin (`*_ref`: SDPA, then the inactive
+Same contract as kernels.py: each op has a PyTorch twin (`*_ref`: SDPA, then the skipped
 (token, head-group) outputs set to 0), and the op itself always launches its Triton kernels.
   attention_prefill(q[B,H,T,d], k, v[B,Hkv,T,d], head_mask[B,T,G] or its Layout)  -> [B,H,T,d]
   attention_decode(q[B,H,1,d], k_cache, v_cache[B,Hkv,L,d], head_mask[B,G], kv_len[B]) -> [B,H,1,d]
-K/V are never pruned (the cache stays complete); what is skipped is the work of the inactive query
-heads, and in decode the K/V reads of a KV head none of whose query heads run.
+K/V are never pruned (the cache stays complete); what is skipped is the work of the query
+heads a token skips, and in decode the K/V reads of a KV head none of whose query heads run.
 """
 import math
 
@@ -25,7 +25,7 @@ def _expand_heads(mask, H):
 
 
 def attention_prefill_ref(q, k, v, head_mask, causal=True, start=0):
-    """SDPA (GQA by repeating K/V heads), then the inactive (token, head-group) outputs set to 0.
+    """SDPA (GQA by repeating K/V heads), then the skipped (token, head-group) outputs set to 0.
     start: the queries sit at positions start.. and k/v hold the start + T keys before them."""
     B, H, T, _ = q.shape
     if isinstance(head_mask, Layout):
@@ -69,14 +69,14 @@ def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT, S, LK,
                          HPG: tl.constexpr, HPK: tl.constexpr, PACK: tl.constexpr,
                          BMT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, BP: tl.constexpr,
                          CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-    """Flash attention for the active (token, head-group) pairs only.
+    """Flash attention for the live (token, head-group) pairs only.
 
     Grid (cdiv(T,BMT)+1, H/PACK, B). A program owns PACK query heads that share one group and
     one KV head (GQA packing: rows = PACK heads x BMT tokens, K/V read once for all of them)
-    and one tile of the group's active tokens of sequence b, in the layout's ascending order.
+    and one tile of the group's live tokens of sequence b, in the layout's ascending order.
     The causal key range ends at the tile's last token, so compaction keeps the causal saving.
-    Tiles past the active tokens (block skip) load nothing; they write the zeros of the
-    inactive tokens. A chunk of a longer prompt starts at position S: its T queries sit at S..S+T-1
+    Tiles past the live tokens (block skip) load nothing; they write the zeros of the
+    skipped tokens. A chunk of a longer prompt starts at position S: its T queries sit at S..S+T-1
     and see the LK = S + T keys before them. Twin: attention_prefill_ref.
     """
     tile, h0, b = tl.program_id(0), tl.program_id(1) * PACK, tl.program_id(2)
@@ -89,8 +89,8 @@ def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT, S, LK,
     r = tl.arange(0, PACK * BMT)
     head = h0 + r // BMT
     dd = tl.arange(0, D)
-    # WIDE skip: a dead tile (no active token of this group left for it) loads no Q/K/V: it zeros the
-    # inactive tokens' outputs and returns
+    # WIDE skip: a dead tile (no live token of this group left for it) loads no Q/K/V: it zeros the
+    # skipped tokens' outputs and returns
     if tile >= n_live:
         p = (tile - n_live) * BMT + r % BMT
         ok = p < T - cnt
@@ -156,7 +156,7 @@ def attention_prefill(q, k, v, head_mask, causal=True, config=None, start=0):
 
 
 def attention_decode_ref(q, k_cache, v_cache, head_mask, kv_len):
-    """SDPA of one query over cache positions [0, kv_len[b]), then inactive head groups set to 0."""
+    """SDPA of one query over cache positions [0, kv_len[b]), then skipped head groups set to 0."""
     B, H, _, _ = q.shape
     rep, L = H // k_cache.shape[1], k_cache.shape[2]
     visible = torch.arange(L, device=q.device)[None, :] < kv_len.to(q.device)[:, None]  # [B, L]
@@ -180,7 +180,7 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     so that the whole step has about TARGET items. So the work spreads evenly over the GPU whatever the
     mask and the rows' lengths (a skipped head or a short row costs no program), and only live K/V are
     read. Grid (NP + B): programs 0..NP-1 take item pid if it exists; program NP + b writes the zeros of
-    row b's inactive heads. A program owns its KV head's HPK query heads as rows (padded to BH).
+    row b's skipped heads. A program owns its KV head's HPK query heads as rows (padded to BH).
     The merge is in the same launch: a pair cut into several chunks stores each chunk's normalised partial
     and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (in chunk order,
     so the result does not depend on which finished last) and resets the ticket. At most MC chunks per pair

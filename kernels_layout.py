@@ -17,10 +17,10 @@ from kernels_base import CONFIGS, check_device, empty
 
 class Layout(NamedTuple):
     mask: torch.Tensor          # [M, G] bool, tokens flattened batch-major (M = B*T)
-    counts: torch.Tensor        # [G] int32, active tokens per group
-    perm: torch.Tensor          # [G, M] int32, per group: active tokens ascending, then inactive ascending
+    counts: torch.Tensor        # [G] int32, live tokens per group
+    perm: torch.Tensor          # [G, M] int32, per group: live tokens ascending, then the others ascending
     work: torch.Tensor          # [G * cdiv(M, block_m)] int32, item g*n_tiles+tile; live tiles first
-    batch_counts: torch.Tensor  # [B, G] int32, active tokens per (sequence, group), for attention
+    batch_counts: torch.Tensor  # [B, G] int32, live tokens per (sequence, group), for attention
     block_m: int
     batch: int
 
@@ -43,8 +43,8 @@ def layout_ref(mask, block_m):
 def _layout_kernel(mask, counts, bcounts, perm, T, G, M, BLOCK: tl.constexpr):
     """Stable partition of one group's tokens (the routing layout), by prefix sums.
 
-    Grid (G,). Pass 1 counts the active tokens per sequence; pass 2 sends active token t to
-    (#active before t) and inactive t to count + (#inactive before t), so both halves keep
+    Grid (G,). Pass 1 counts the live tokens per sequence; pass 2 sends live token t to
+    (#live before t) and skipped t to count + (#skipped before t), so both halves keep
     ascending token order. That order is what keeps causal attention tiles tight.
     Twin: layout_ref (a stable torch.sort).
     """

@@ -21,7 +21,7 @@ Where to look for the rest:
               channel_mask the SwiGLU product before down_proj (training and the torch backend: dense
               compute, skipped work zeroed). Every Block appends the masks its routers returned to the
               `masks` dict of Transformer.forward; skip_rates and last_width read that dict.
-  kernels_layout.py  "The line that builds the layout" (mask reordering: each group's active tokens
+  kernels_layout.py  "The line that builds the layout" (mask reordering: each group's live tokens
               made contiguous).
   kernels.py, kernels_attention.py  the lines marked "WIDE skip:", where skipped work is never done:
               the decode GEMV's live-group list (gemm_mn reads only the weight rows of groups some token

@@ -60,7 +60,7 @@ def smoke_setup():
 
 # ----------------------------------------------------------------------------------- masks and errors
 def rand_mask(s, shape, sparsity):
-    # Uniformly random (token, group) decisions, exactly round((1 - sparsity) * n) active (True = runs).
+    # Uniformly random (token, group) decisions, exactly round((1 - sparsity) * n) live (True = runs).
     n = math.prod(shape)
     return (torch.randperm(n, device=s.device) < round((1 - sparsity) * n)).view(shape)
 
