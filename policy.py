@@ -46,7 +46,7 @@ KINDS = {
     "norm": "RMSNorm (rms_norm)",
     "norm_route": "RMSNorm + the router in one launch (norm_route), residual add fused",
     "norm_then_router": "RMSNorm (rms_norm), then the router module itself (two fp32 GEMMs)",
-    "layout": "mask reordering: per group, its tokens first (layout + work list)",
+    "layout": "mask reordering: per group, its live tokens first (layout + work list)",
     "gemv": "the live groups' weight rows only (gemm_mn's decode GEMV, its live-group list); K and V as its dense tail",
     "gemv_all": "every row as the dense tail of gemm_mn's decode GEMV (the dense model through WIDE's kernel)",
     "tiles": "Q's live (group, token-tile) items only (gemm_mn, sorted tiles); K and V in one cuBLAS GEMM",
