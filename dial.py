@@ -62,15 +62,46 @@ def dialled(model, offsets, gaps=None):
             h.remove()
 
 
+@torch.no_grad()
+def run_layers(model, windows):
+    """The layers' forward over windows [N, T] (plain causal, no cache), without the head: the routers
+    read only the residual stream, and a large vocabulary's logits would cost more than the layers."""
+    x = model.embed_tokens(windows)
+    cos, sin = model.rope(torch.arange(windows.shape[1], device=windows.device))
+    for layer in model.layers:
+        x = layer(x, cos, sin, None, None)
+
+
 def collect_gaps(model, windows, offsets, batch_size=32):
     was = model.training
     model.eval()
     gaps = {}
-    with torch.no_grad(), dialled(model, offsets, gaps):
+    with dialled(model, offsets, gaps):
         for i in range(0, len(windows), batch_size):
-            model(windows[i:i + batch_size])
+            run_layers(model, windows[i:i + batch_size])
     model.train(was)
     return {k: torch.cat(v).double().cpu() for k, v in gaps.items()}  # the solves below run on the CPU
+
+
+def solve_in_order(model, windows, want, offsets):
+    """Each router's offset (solve_offset) from its gaps on all windows with the earlier routers' offsets
+    applied. One forward over every window at once does it: a router's hook solves its offset from what it
+    sees and applies it before any later router runs, as a pass per router would, at the cost of one."""
+    def hook(router, inputs, out, key):
+        z = router.logits(inputs[0]).float()
+        gap = z[..., 1] - z[..., 0]
+        offsets[key[0]][key[1]] = solve_offset(gap.reshape(-1, gap.shape[-1]).double().cpu(), want[key])
+        return (gap + offsets[key[0]][key[1]] <= 0).to(out.dtype)
+    was = model.training
+    model.eval()
+    handles = [r.register_forward_hook(lambda m, a, out, key=(k, i): hook(m, a, out, key))
+               for k, i, r in router_list(model)]
+    try:
+        run_layers(model, windows)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was)
 
 
 def solve_shift(gaps, target, iters=60):
@@ -146,9 +177,7 @@ def calibrate(model, windows, target=None, attn_target=None, ffn_target=None, ru
             a = solve_power(list(base.values()), t)
             want.update({key: 1 - (1 - r) ** a for key, r in base.items()})
     offsets = {k: [0.0] * len(model.layers) for k in kinds}
-    for n, (kind, i, _) in enumerate(router_list(model)):
-        gap = gaps[(kind, i)] if n == 0 else collect_gaps(model, windows, offsets)[(kind, i)]
-        offsets[kind][i] = solve_offset(gap, want[(kind, i)])
+    solve_in_order(model, windows, want, offsets)
     final = collect_gaps(model, windows, offsets)
     realized = {k: [(final[(k, i)] + offsets[k][i] > 0).double().mean().item() for i in range(len(model.layers))]
                 for k in kinds}

@@ -4,6 +4,7 @@ routers realized there and the fraction of linear-layer FLOPs executed, and agai
 
     python eval.py   # reads out/, writes results/quality.json, results/quality.md and results/quality.png
     python eval.py --out-dir out-gpu --name quality_gpu   # the GPU-budget models (train.py --recipe gpu)
+    python eval.py --model smollm2  # SmolLM2-135M's (train.py --model smollm2) -> results/quality_smollm2.*
 
 Rows: dense (out/base); wide, stages 1 and 2 of every target trained under out/, each with its own dial;
 wide dial, the stage-2 routers of --dial-from dialled to other sparsities (--dial); layerskip; static and
@@ -343,11 +344,34 @@ def parser():
     p.add_argument("--replot", metavar="JSON", help="only redraw the plot of a quality results file from its rows "
                    "(JSON's name with .png), nothing scored")
     p.add_argument("--device", default="auto")
+    p.add_argument("--model", choices=sorted(MODELS), help="the models train.py --model trained: its values "
+                   "(MODELS) replace the defaults above")
+    p.add_argument("--max-windows", type=count, help="score this many held-out windows, evenly spaced (default: all)")
+    p.add_argument("--bf16", action="store_true", help="score and calibrate in bf16 autocast (CPU too)")
+    p.add_argument("--layerskip-dial", type=cli.fraction(), nargs="*", default=[], help="also dial the layer-skip "
+                   "stage-1 routers trained at --dial-from's target to these sparsities (bracketing WIDE's FLOPs)")
+    p.add_argument("--matched-stages", type=int, nargs="+", choices=[1, 2], default=[2],
+                   help="the trained WIDE stages that get matched-FLOP rows (dial rows always do)")
+    p.add_argument("--no-serving", action="store_true", help="no serving rows (RESULTS/NAME_serving.*)")
+    p.add_argument("--no-fp8", action="store_true", help="no fp8-weight rows")
     return p
 
 
+# --model NAME: train.py --model NAME's models, scored on a budget that fits two CPU cores: 64 held-out
+# windows of 256 tokens in bf16 autocast, the dial at 0.3 and 0.7 (keep_power), layer-skip's stage-1
+# routers dialled to 0.4 so its FLOPs bracket WIDE's, matched FLOPs for stage 1 too (the calibration-only
+# comparison); no serving, fp8 or batch-shared rows (those are the engine's, measured on the tiny model).
+MODELS = {
+    "smollm2": dict(out_dir="out-smollm2", name="quality_smollm2", block_size=256, batch_size=16, max_windows=64,
+                    calib_batches=1, bf16=True, dial=[0.3, 0.7], dial_rules=["keep_power"], layerskip_dial=[0.4],
+                    matched_stages=[1, 2], shared_batch=[], no_serving=True, no_fp8=True),
+}
+
+
 def parse_args(argv=None):
-    args = parser().parse_args(argv)
+    p = parser()
+    p.set_defaults(**MODELS.get(p.parse_known_args(argv)[0].model, {}))
+    args = p.parse_args(argv)
     args.device = cli.pick_device(args.device)
     args.dial_from = args.dial_from or os.path.join(args.out_dir, "wide-s0.5-stage2")
     return args
@@ -358,7 +382,7 @@ def texts(args):
     training-free baselines are calibrated on."""
     tok = load_tokenizer(os.path.join(args.out_dir, "base"))
     train_texts, val_texts = data.split_plays()
-    x, y = data.val_windows(data.encode_plays(tok, val_texts), args.block_size)
+    x, y = data.val_windows(data.encode_plays(tok, val_texts), args.block_size, args.max_windows)
     gen = torch.Generator().manual_seed(0)
     stream = data.encode_plays(tok, train_texts)
     calib = [data.get_batch(stream, 16, args.block_size, gen)[0].to(args.device) for _ in range(args.calib_batches)]

@@ -108,6 +108,9 @@ PRESETS = {
     "tiny": dict(vocab_size=2048, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, intermediate_size=384, max_seq_len=256),
     # A GPU preset, ~30M parameters.
     "small": dict(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, intermediate_size=1536, max_seq_len=1024),
+    # SmolLM2-135M's shape; its weights come from checkpoints.import_pretrained (train.py --model smollm2).
+    "smollm2": dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536,
+                    max_seq_len=8192, rope_theta=100000.0, tie_embeddings=True),
     # Shape only (random weights), used by the speed benchmarks.
     "llama-3.1-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
                          max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=False,

@@ -4,6 +4,7 @@ Train everything, from nothing to a WIDE model, in one command:
     python train.py                 # base pretraining (skipped if out/base exists), then WIDE stage 1, stage 2
     python train.py --recipe gpu    # the same on a GPU with 102x the tokens per stage, into out-gpu/ (RECIPES)
     torchrun --nproc_per_node=2 train.py --preset small [--fsdp]   # several GPUs: DDP, or FSDP2 (sharded)
+    python train.py --model smollm2 # a real pretrained model (SmolLM2-135M) as the base, into out-smollm2/
 
 base     the dense Llama-style model, pretrained on Shakespeare's plays (next-token cross-entropy)
 stage 1  router calibration: routers only, backbone frozen                      (wide.py)
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 import cli
 import dial
 import wide
-from checkpoints import load_wide, run_dir, save_wide
+from checkpoints import import_pretrained, load_wide, run_dir, save_wide
 from data import calibration_windows, encode_plays, get_batch, split_plays, train_tokenizer, val_windows
 from distributed import (Stopper, barrier, build_device, global_mean, load_state, parallelize, processes,
                          save_state, setup_distributed, state_path, whole_model, world)
@@ -44,9 +45,11 @@ def log(msg):
 # the training loop shared by every stage
 
 
-def autocast(device):
-    # bf16 on GPUs (the weights stay fp32); plain fp32 on the CPU, where bf16 matmuls are slow.
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(device).startswith("cuda"))
+def autocast(device, bf16=None):
+    """bf16 on GPUs (the weights stay fp32); plain fp32 on the CPU unless bf16=True: bf16 matmuls are
+    slow on CPUs without bf16 instructions, and the tiny model is cheap in fp32 anyway."""
+    cuda = str(device).startswith("cuda")
+    return torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda if bf16 is None else bf16)
 
 
 @dataclass
@@ -135,7 +138,7 @@ def train_step(model, fwd, opt, params, data, gen, args, sched, step, wcfg, teac
     x, y = get_batch(data, args.batch_size, args.block_size, gen, rank, n)
     x, y = x.to(args.device), y.to(args.device)
     masks = {}
-    with autocast(args.device):
+    with autocast(args.device, args.bf16):
         logits, ce = fwd(x, y, masks=masks)
         # The skip rates of the global batch (see global_mean): the penalty must not depend on how
         # many processes share the batch.
@@ -219,7 +222,7 @@ def progress(model, val, args, name, done, ce, rates, tau, clock):
     print as "train/val": Gumbel-sampled in training, deterministic on held-out text."""
     rate, eta = clock.lap(done)  # throughput counts training steps only, not the evaluation below
     train_loss = global_mean(ce.detach()).item()  # over the global batch, not just rank 0's slice
-    val_loss, val_rates = evaluate(model, *val, args.batch_size, args.device)
+    val_loss, val_rates = evaluate(model, *val, args.batch_size, args.device, args.bf16)
     line = (f"{name} step {done:5d}/{clock.steps} | train {train_loss:.3f} | val {val_loss:.3f} "
             f"| {rate / 1e3:6.1f}k tok/s | ETA {fmt_time(eta)}")
     if val_rates:
@@ -233,7 +236,7 @@ def progress(model, val, args, name, done, ce, rates, tau, clock):
 
 
 @torch.no_grad()
-def evaluate(model, x, y, batch_size, device):
+def evaluate(model, x, y, batch_size, device, bf16=None):
     """Held-out cross-entropy over the given windows, and the skip rates the routers chose for them.
 
     The model is in eval mode, so routing is the deterministic z_skip > z_exec rule, not a Gumbel sample.
@@ -244,7 +247,7 @@ def evaluate(model, x, y, batch_size, device):
     for i in range(0, len(x), batch_size):
         xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
         masks = {}
-        with autocast(device):
+        with autocast(device, bf16):
             _, loss = model(xb, yb, masks=masks)
         total += loss.item() * yb.numel()
         count += yb.numel()
@@ -287,6 +290,16 @@ def train_base(args, train_texts, val_texts, stopper=None):
     barrier()  # the next stage reads this checkpoint on every process
     log(f"base: saved {args.base_dir} ({fmt_time(time.time() - t0)})")
     return model, tok
+
+
+def import_base(args):
+    """--model: the pretrained model becomes OUT/base (fp32, its own tokenizer); no pretraining."""
+    t0 = time.time()
+    if world()[0] == 0:
+        model, _ = import_pretrained(args.model, args.base_dir)
+        log(f"base: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters) imported "
+            f"into {args.base_dir} ({fmt_time(time.time() - t0)})")
+    barrier()
 
 
 def stage_model(args, wcfg, stage, device):
@@ -340,9 +353,10 @@ def calibrate_dial(model, wcfg, data, val, args, name):
     routing realizes it (the Gumbel-trained rate drifts at inference); the offsets go into wcfg (and so
     wide.json). Returns the held-out skip rates with the dial."""
     windows = calibration_windows(data, args.block_size, dial.CALIB_WINDOWS, dial.CALIB_SEED).to(args.device)
-    wcfg.offsets, realized = dial.calibrate(model, windows, wcfg.target, wcfg.attn_target, wcfg.ffn_target)
+    with autocast(args.device, bool(args.bf16)):  # in the precision eval.py scores in: fp32 unless --bf16
+        wcfg.offsets, realized = dial.calibrate(model, windows, wcfg.target, wcfg.attn_target, wcfg.ffn_target)
     with dial.dialled(model, wcfg.offsets):
-        _, val_rates = evaluate(model, *val, args.batch_size, args.device)
+        _, val_rates = evaluate(model, *val, args.batch_size, args.device, args.bf16)
     log(f"{name}: dial calibrated on {dial.CALIB_WINDOWS} training windows, offsets {dial.describe_offsets(wcfg.offsets)}; "
         "realized skip " + " ".join(f"{k} {sum(v) / len(v):.3f} (held-out {val_rates[k]:.3f})" for k, v in realized.items()))
     return val_rates
@@ -369,6 +383,17 @@ RECIPES = {
                 stage2_steps=1600, ckpt_interval=400),
 }
 
+# --model NAME: a pretrained model as the base (checkpoints.import_pretrained) instead of pretraining one,
+# and its own budget, sized for about an hour on two CPU cores in bf16: WIDE stages 1 and 2 and layer-skip's
+# stage 1 (the calibration-only comparison) at 128 steps of 8 x 256 tokens each (262k tokens). Group sizes: one KV group's
+# 3 query heads per attention decision (the default), FFN groups of 32 (48 per layer). Stage 2's LoRA starts
+# from a model that already writes English, so it gets a third of the tiny model's learning rate.
+MODELS = {
+    "smollm2": dict(out_dir="out-smollm2", preset="smollm2", batch_size=8, block_size=256, stage1_steps=128,
+                    stage2_steps=128, stage2_lr=1e-3, eval_interval=16, val_windows=8, ckpt_interval=20,
+                    bf16=True, with_layerskip=True),
+}
+
 
 def parser():
     """The command line, with the paper's settings as defaults (stage 1: routers at lr 2e-3; stage 2:
@@ -380,9 +405,15 @@ def parser():
     p = cli.parser(__doc__)
     p.add_argument("--recipe", default="cpu", choices=sorted(RECIPES),
                    help="the training budget (RECIPES): its values replace the defaults below")
+    p.add_argument("--model", choices=sorted(MODELS), help="start from this pretrained model (MODELS) instead "
+                   "of pretraining a base; its values replace the defaults below, as a recipe's do")
     p.add_argument("--stage", default="all", choices=["all", "base", "1", "2"],
                    help="all = base (if missing) + stage 1 + stage 2")
     p.add_argument("--method", default="wide", choices=["wide", "layerskip"])
+    p.add_argument("--with-layerskip", action="store_true", help="also train layer-skip's stage 1 at the same "
+                   "targets and budget (the paper's calibration-only comparison)")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="train in bf16 autocast (default: on CUDA only)")
     p.add_argument("--sparsity", type=cli.fraction(), nargs="+", default=[0.5],
                    help="target(s) s*: for wide the mean of the attention and FFN skip rates")
     p.add_argument("--attn-sparsity", type=cli.fraction(), help="separate attention target (with --ffn-sparsity)")
@@ -425,7 +456,9 @@ def parser():
 
 def parse_args(argv=None):
     p = parser()
-    p.set_defaults(**RECIPES[p.parse_known_args(argv)[0].recipe])  # a recipe moves defaults, not given flags
+    known = p.parse_known_args(argv)[0]
+    p.set_defaults(**RECIPES[known.recipe])  # a recipe moves defaults, not given flags
+    p.set_defaults(**MODELS.get(known.model, {}))
     args = p.parse_args(argv)
     args.device = cli.pick_device(args.device)
     args.base_dir = os.path.join(args.out_dir, "base")
@@ -473,8 +506,11 @@ def run_stages(args, targets, stopper):
     have_base = os.path.exists(os.path.join(args.base_dir, "config.json")) and not (
         os.path.exists(state_path(args.base_dir)) and args.resume is not False)
     if args.stage == "base" or (args.stage == "all" and (args.retrain_base or not have_base)):
-        train_base(args, train_texts, val_texts, stopper)
-        trained.append(args.base_dir)
+        if args.model:
+            import_base(args)
+        else:
+            train_base(args, train_texts, val_texts, stopper)
+            trained.append(args.base_dir)
     elif args.stage == "all":
         log(f"base: {args.base_dir} exists, skipping pretraining (--retrain-base to redo it)")
     if args.stage != "base":
@@ -489,6 +525,10 @@ def run_stages(args, targets, stopper):
             if args.stage in ("all", "1"):
                 train_stage(args, wcfg, 1, tok, data, val, stopper)
                 trained.append(run_dir(args.out_dir, wcfg, 1))
+            if args.with_layerskip and args.stage in ("all", "1"):
+                ls = wide.WideConfig(method="layerskip", target=wcfg.target, rank=args.rank)
+                train_stage(args, ls, 1, tok, data, val, stopper)
+                trained.append(run_dir(args.out_dir, ls, 1))
             if args.stage in ("all", "2"):
                 if not os.path.exists(os.path.join(run_dir(args.out_dir, wcfg, 1), "wide.json")):
                     cli.fail(f"stage 2 starts from {run_dir(args.out_dir, wcfg, 1)}, which does not exist; "
