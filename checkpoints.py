@@ -14,10 +14,13 @@ calibrated) and train_state.json. Its directory name says what it is (run_name, 
 A sparsity other than the checkpoint's own is calibrated once and cached in the checkpoint's dial.json.
 A pretrained model's GGUF becomes a base checkpoint once (import_pretrained).
 """
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
+import shutil
 from dataclasses import asdict
 
 import torch
@@ -51,14 +54,16 @@ def load_wide(path, device="cpu", dtype=torch.float32, merge=True, offsets=True)
             wcfg = WideConfig(**json.load(f))
     except (json.JSONDecodeError, TypeError) as e:
         raise CheckpointError(f"{file} is corrupt ({e})") from None
-    model = Transformer.from_pretrained(path, device=device)  # fp32 until LoRA is merged
+    base = base_of(path)  # a router folder: the backbone comes from its pretrained model
+    model = load_pretrained(base, device)[0] if base else Transformer.from_pretrained(path, device=device)  # fp32 until LoRA is merged
     try:
         install_routers(model, wcfg)
     except ValueError as e:  # group sizes that do not divide this model's heads or channels
         raise CheckpointError(f"{file} does not fit the model in {path!r}: {e}") from None
     if wcfg.lora_rank:
         install_lora(model, wcfg.lora_rank, wcfg.lora_alpha)
-    extra = {k[len("model."):]: v for k, v in load_safetensors_dir(path).items() if is_wide_tensor(k)}
+    tensors = load_file_checked(os.path.join(path, "wide.safetensors")) if base else load_safetensors_dir(path)
+    extra = {k[len("model."):]: v for k, v in tensors.items() if is_wide_tensor(k)}
     expected = {k for k in model.state_dict() if is_wide_tensor(k)}
     if set(extra) != expected:
         raise CheckpointError(f"{path!r}: router/LoRA tensors do not match wide.json "
@@ -156,7 +161,7 @@ def load_dialled(path, target=None, attn_target=None, ffn_target=None, *, window
     if key in saved:
         offsets, source = saved[key]["offsets"], f"cached in {cache}"
     else:
-        x = windows(load_tokenizer(path), block_size, CALIB_WINDOWS, CALIB_SEED).to(device)
+        x = windows(tokenizer_of(path), block_size, CALIB_WINDOWS, CALIB_SEED).to(device)
         offsets, realized = calibrate(model, x, target, attn_target, ffn_target, rule=rule)
         saved[key] = dict(offsets=offsets, realized_on_windows=realized)
         calibrated = f"calibrated on {CALIB_WINDOWS} training windows"
@@ -164,6 +169,15 @@ def load_dialled(path, target=None, attn_target=None, ffn_target=None, *, window
         source = f"{calibrated}, cached in {cache}" if written else f"{calibrated} (not cached: {path} is not writable)"
     fold_offsets(model, offsets)
     return model, wcfg, dict(offsets=offsets, targets=targets, source=source)
+
+
+def load_file_checked(file):
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {file}: {e}; the file is corrupt or incomplete") from None
 
 
 def read_dial_cache(cache):
@@ -209,22 +223,78 @@ def pretrained_gguf(name):
     return folder, file
 
 
-def import_pretrained(name, path):
-    """Write pretrained model `name` as a dense checkpoint directory at `path` (fp32, with its tokenizer).
-    transformers dequantizes the GGUF (Q4_1 codes -> fp32) and undoes llama.cpp's Q/K row permutation,
-    so what lands here are ordinary HF Llama tensors; model.Transformer takes them as they are."""
+def read_gguf(name, tokenizer_only=False):
+    """(transformers' LlamaForCausalLM or None, tokenizers.Tokenizer) of pretrained model `name`.
+    transformers dequantizes the GGUF (Q4_1 codes -> fp32) and undoes llama.cpp's Q/K row permutation, so
+    the model holds ordinary HF Llama tensors; its tokenizer is rebuilt from the GGUF's vocabulary."""
     folder, file = pretrained_gguf(name)
     try:
         import gguf  # noqa: F401  (transformers' GGUF reader needs it; say so before it does)
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
-        raise CheckpointError(f"--model {name} reads a GGUF file, which needs {e.name}: "
+        raise CheckpointError(f"--model {name} reads a GGUF file, which needs the {e.name} package: "
                               "pip install -r requirements.txt") from None
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    from transformers.utils import logging
+    logging.set_verbosity_error()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file).backend_tokenizer
-    config = ModelConfig.from_hf(hf.config.to_dict())
+    if tokenizer_only:
+        return None, tokenizer
+    with contextlib.redirect_stderr(io.StringIO()):  # the dequantization's progress bar, not a script's output
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32), tokenizer
+
+
+def from_hf_model(hf, device="cpu", dtype=torch.float32):
+    """Our Transformer with the weights of a transformers Llama model (its config checked as a Llama's)."""
     with torch.device("meta"):
-        model = Transformer(config)
-    model.load_dense_state(hf.state_dict())
-    save_checkpoint(path, model, tokenizer, extra_files={"source.json": dict(model=name, gguf=file)})
+        model = Transformer(ModelConfig.from_hf(hf.config.to_dict()))
+    return model.load_dense_state(hf.state_dict(), dtype, device)
+
+
+def load_pretrained(name, device="cpu", dtype=torch.float32):
+    """(model, tokenizer) of pretrained model `name`, read from its GGUF (nothing written to disk)."""
+    hf, tokenizer = read_gguf(name)
+    return from_hf_model(hf, device, dtype), tokenizer
+
+
+def import_pretrained(name, path):
+    """Write pretrained model `name` as a dense checkpoint directory at `path` (fp32, with its tokenizer)."""
+    model, tokenizer = load_pretrained(name)
+    save_checkpoint(path, model, tokenizer, extra_files={"source.json": dict(model=name, gguf=PRETRAINED[name][1])})
     return model, tokenizer
+
+
+# A router folder that ships with the repository holds only what WIDE adds to a pretrained model: wide.json,
+# the router (and LoRA) tensors in wide.safetensors, and base.json naming the pretrained model they sit on
+# (its weights and tokenizer come from its GGUF when the folder is loaded).
+
+def export_routers(checkpoint, path):
+    """Write router checkpoint `checkpoint` (trained on a pretrained base) as a router folder at `path`."""
+    from safetensors.torch import save_file
+    with open(os.path.join(checkpoint, "..", "base", "source.json")) as f:
+        base = json.load(f)
+    tensors = {k: v.contiguous() for k, v in load_safetensors_dir(checkpoint).items() if is_wide_tensor(k)}
+    tmp = path.rstrip("/") + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    save_file(tensors, os.path.join(tmp, "wide.safetensors"), metadata={"format": "pt"})
+    for name in ("wide.json", "train_state.json"):
+        with open(os.path.join(checkpoint, name)) as f, open(os.path.join(tmp, name), "w") as g:
+            g.write(f.read())
+    with open(os.path.join(tmp, "base.json"), "w") as f:
+        json.dump(dict(model=base["model"], gguf=base["gguf"]), f, indent=2)
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
+def base_of(path):
+    """The pretrained model a router folder sits on (its base.json), or None for a whole checkpoint."""
+    file = os.path.join(path, "base.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f)["model"]
+
+
+def tokenizer_of(path):
+    """A checkpoint's tokenizer: its tokenizer.json, or its pretrained model's for a router folder."""
+    return read_gguf(base_of(path), tokenizer_only=True)[1] if base_of(path) else load_tokenizer(path)

@@ -6,6 +6,8 @@ token at a time, each attending to the cache).
     python generate.py --sparsity 0.5 --show-width       # WIDE: every token picks its own width
     python generate.py --sparsity 0.5 --compare-dense    # tokens/s of WIDE next to the dense model
     python generate.py --checkpoint path/to/hf-llama-dir  # any local HF Llama directory works too
+    python generate.py --model smollm2 --sparsity 0.5 --show-width --prompt "The moon"  # SmolLM2-135M with
+                                                          # the routers that ship in routers/smollm2/
 
 --sparsity S (any S in [0, 1); or --attn-sparsity A --ffn-sparsity F) dials the routers trained for the
 nearest target to S (checkpoints.load_dialled) and prints the realized sparsity and executed FLOPs.
@@ -23,7 +25,7 @@ import data
 import engine
 import wide
 from dial import describe_offsets
-from model import Transformer, load_tokenizer
+from model import Transformer
 
 EOT = "<|endoftext|>"
 
@@ -154,7 +156,10 @@ def parse_args(argv):
     p.add_argument("--attn-sparsity", type=cli.fraction(), help="dial attention and FFN separately (with --ffn-sparsity)")
     p.add_argument("--ffn-sparsity", type=cli.fraction(), help="dial attention and FFN separately (with --attn-sparsity)")
     p.add_argument("--method", default="wide", choices=["wide", "layerskip"], help="with --sparsity")
-    p.add_argument("--out-dir", default="out", help="where train.py wrote its checkpoints")
+    p.add_argument("--out-dir", default=None, help="where train.py wrote its checkpoints (default out, or "
+                   "routers/MODEL with --model)")
+    p.add_argument("--model", choices=sorted(checkpoints.PRETRAINED), help="a pretrained model, read from its "
+                   "GGUF: dense, or with --sparsity the routers trained on it (routers/MODEL, or --out-dir)")
     p.add_argument("--show-width", action="store_true", help="colour each token by the width it used")
     p.add_argument("--prompt", action="append", help="the prompt (default ROMEO:); give it several times "
                    "for one batch of prompts of different lengths")
@@ -182,6 +187,7 @@ def parse_args(argv):
     if per_type != (args.ffn_sparsity is not None) or (per_type and args.sparsity is not None):
         cli.fail("give --sparsity S, or --attn-sparsity A with --ffn-sparsity F, not a mix")
     args.device = cli.pick_device(args.device)
+    args.out_dir = args.out_dir or (os.path.join("routers", args.model) if args.model else "out")
     # The dial: the routers trained for the nearest target, offsets calibrated to the requested one.
     args.dial_to = args.sparsity if args.attn_sparsity is None else (args.attn_sparsity + args.ffn_sparsity) / 2
     return args
@@ -192,6 +198,10 @@ def load(args):
     wcfg and dialled are None for a dense model (and dialled for a router checkpoint at its trained width)."""
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     path = args.checkpoint
+    if path is None and args.model and args.dial_to is None:  # the pretrained model itself, dense
+        if args.show_width or args.compare_dense:
+            cli.fail(f"--{'show-width' if args.show_width else 'compare-dense'} needs routers (add --sparsity 0.5)")
+        return f"{args.model} (pretrained)", checkpoints.load_pretrained(args.model, args.device, dtype)[0], None, None
     if path is None:
         path = (os.path.join(args.out_dir, "base") if args.dial_to is None
                 else checkpoints.nearest_checkpoint(args.out_dir, args.method, args.dial_to))
@@ -209,6 +219,13 @@ def load(args):
         cli.fail(f"--{'show-width' if args.show_width else 'compare-dense'} needs a router "
                  f"checkpoint; {path} is a dense model (add --sparsity 0.5)")
     return path, Transformer.from_pretrained(path, device=args.device, dtype=dtype), None, None
+
+
+def tokenizer(args, path):
+    """The tokenizer of what load() loaded: a checkpoint's, or the pretrained model's own."""
+    if not os.path.isdir(path):  # load's "NAME (pretrained)": the model read from its GGUF
+        return checkpoints.read_gguf(args.model, tokenizer_only=True)[1]
+    return checkpoints.tokenizer_of(path)
 
 
 def prompt_batch(args, tok, ctx):
@@ -289,7 +306,7 @@ def main(argv=None):
     if args.weights == "fp8" and backend == "torch":
         cli.fail("--weights fp8 runs on the Triton engine; add --backend triton (a CUDA GPU, "
                  "or TRITON_INTERPRET=1 on a CPU)")
-    tok = load_tokenizer(path)
+    tok = tokenizer(args, path)
     prompts, rows, idx, lengths = prompt_batch(args, tok, model.config.max_seq_len)
 
     widths = []  # per generated token: the width of the forward pass that produced it (kept on device)

