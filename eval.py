@@ -96,6 +96,27 @@ def router_rows(args, x, y):
     return rows, group_cfg
 
 
+def layerskip_dial_rows(args, x, y):
+    """Layer-skip's stage-1 routers trained at --dial-from's target, dialled to --layerskip-dial: more points
+    of its curve (calibration only, as its stage 1 is), so that its FLOPs bracket WIDE's."""
+    rows = []
+    trained = wide.trained_target(load_wide_config(args.dial_from)) if args.layerskip_dial else None
+    path = os.path.join(args.out_dir, f"layerskip-s{trained:g}-stage1") if trained is not None else None
+    for s in args.layerskip_dial if path and os.path.isfile(os.path.join(path, "wide.json")) else []:
+        model, wcfg, got = load_dialled(path, target=s, windows=data.dial_windows, device=args.device,
+                                        block_size=args.block_size, rule=DIAL_RULE)
+        rows.append(model_row(model, wcfg, x, y, args, "layerskip", s, checkpoint=path, trained_target=trained,
+                              offsets=got["offsets"], dial_rule=DIAL_RULE))
+        print(f"{path} dialled to {s:g}: ppl {rows[-1]['val_ppl']:.2f}, realized {realized(rows[-1]):.3f}, "
+              f"flops {rows[-1]['linear_flop_fraction']:.3f}", flush=True)
+    return rows
+
+
+def load_wide_config(path):
+    with open(os.path.join(path, "wide.json")) as f:
+        return wide.WideConfig(**json.load(f))
+
+
 def dial_rows(args, x, y):
     rows = []
     if not os.path.isfile(os.path.join(args.dial_from, "wide.json")):
@@ -406,6 +427,12 @@ def main(argv=None):
     if args.replot:
         return replot(args.replot)
     cli.writable_dir(args.results, "--results")
+    # --bf16: the matmuls in bf16 (weights stay fp32; the routers decide in fp32, wide.Router)
+    with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.bf16):
+        evaluate(args)
+
+
+def evaluate(args):
     cfg = Transformer.config_from_dir(os.path.join(args.out_dir, "base"))  # no trained model yet: one clear line
     x, y, calib = texts(args)
 
@@ -414,13 +441,16 @@ def main(argv=None):
     meta = dict(date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
                 device=args.device, torch=torch.__version__, held_out_plays=list(data.HELD_OUT),
                 held_out_tokens=y.numel(), block_size=args.block_size)
-    serving = serving_rows(args, x, y, dense_ppl)
+    if args.bf16:
+        meta["precision"] = "bf16 autocast"
     os.makedirs(args.results, exist_ok=True)
-    save_results(os.path.join(args.results, args.name + "_serving"), dict(meta, rows=serving), serving_markdown(serving, meta))
+    if not args.no_serving:
+        serving = serving_rows(args, x, y, dense_ppl)
+        save_results(os.path.join(args.results, args.name + "_serving"), dict(meta, rows=serving), serving_markdown(serving, meta))
     if args.serving_only:
         return
     trained, group_cfg = router_rows(args, x, y)
-    rows = [row("dense", 0, 0.0, dense_ppl, 0.0, 0.0, 1.0)] + trained + dial_rows(args, x, y)
+    rows = [row("dense", 0, 0.0, dense_ppl, 0.0, 0.0, 1.0)] + trained + layerskip_dial_rows(args, x, y) + dial_rows(args, x, y)
     group_cfg = group_cfg or wide.WideConfig()
     wide.check_groups(cfg, group_cfg)
     cache = {}  # baseline rows by (method, target): the matched-FLOP search reuses them
@@ -441,9 +471,10 @@ def main(argv=None):
     steps = baselines.static_steps(cfg, group_cfg)
     matched = [matched_entry(w, w["linear_flop_fraction"], rows, dense_ppl, lambda t: baseline("static", t),
                              lambda t: baseline("teal", t), steps, cfg)
-               for w in rows if not args.no_baselines and (w["method"] == "wide dial" or (w["method"] == "wide" and w["stage"] == 2))]
+               for w in rows if not args.no_baselines and (w["method"] == "wide dial" or (
+                   w["method"] == "wide" and w["stage"] in args.matched_stages))]
 
-    fp8 = fp8_rows(args, x, y, dense_ppl)
+    fp8 = [] if args.no_fp8 else fp8_rows(args, x, y, dense_ppl)
     batch_shared = shared_rows(args, x, y)
 
     extra_static_teal = sorted(cache.values(), key=lambda r: (r["method"], r["target_sparsity"]))
@@ -472,7 +503,8 @@ def target_label(r):
 def markdown(rows, matched, dense_ppl, meta, fp8=(), batch_shared=()):
     out = [f"# Held-out perplexity ({', '.join(p.split('/')[1][:-3] for p in meta['held_out_plays'])}; "
            f"{meta['held_out_tokens']} tokens, windows of {meta['block_size']})", "",
-           f"`{meta['command']}` on {meta['device']}, torch {meta['torch']}, {meta['date']}. Sparsities and FLOPs "
+           f"`{meta['command']}` on {meta['device']}" + (f" in {meta['precision']}" if "precision" in meta else "")
+           + f", torch {meta['torch']}, {meta['date']}. Sparsities and FLOPs "
            "are what the routers (or thresholds) realized on the held-out text; `realized - target` compares the "
            "mean of attention and FFN skip rates with the target. `wide dial` rows are the stage-2 routers "
            "trained at the `from` target, dialled to the row's target.", "",
