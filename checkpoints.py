@@ -276,9 +276,9 @@ def export_routers(checkpoint, path):
     tmp = path.rstrip("/") + ".tmp"
     os.makedirs(tmp, exist_ok=True)
     save_file(tensors, os.path.join(tmp, "wide.safetensors"), metadata={"format": "pt"})
-    for name in ("wide.json", "train_state.json"):
-        with open(os.path.join(checkpoint, name)) as f, open(os.path.join(tmp, name), "w") as g:
-            g.write(f.read())
+    for name in ("wide.json", "train_state.json", "dial.json"):  # dial.json: the dial's cached offsets, if any
+        if os.path.isfile(os.path.join(checkpoint, name)):
+            shutil.copyfile(os.path.join(checkpoint, name), os.path.join(tmp, name))
     with open(os.path.join(tmp, "base.json"), "w") as f:
         json.dump(dict(model=base["model"], gguf=base["gguf"]), f, indent=2)
     if os.path.isdir(path):
