@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import cli
 import dial
 import wide
-from checkpoints import import_pretrained, load_wide, run_dir, save_wide
+from checkpoints import import_pretrained, load_wide, pretrained_gguf, run_dir, save_wide
 from data import calibration_windows, encode_plays, get_batch, split_plays, train_tokenizer, val_windows
 from distributed import (Stopper, barrier, build_device, global_mean, load_state, parallelize, processes,
                          save_state, setup_distributed, state_path, whole_model, world)
@@ -482,6 +482,8 @@ def stage_targets(args):
 
 def main(argv=None):
     args, targets = parse_args(argv)
+    if args.model:
+        pretrained_gguf(args.model)  # a missing package is one line, before anything is written
     cli.writable_dir(args.out_dir, "--out-dir")
     created, stop_group = setup_distributed(args)
     # SIGTERM/SIGINT only set a flag: the training loop saves its state and exits at the next step boundary.
