@@ -100,7 +100,8 @@ def layerskip_dial_rows(args, x, y):
     """Layer-skip's stage-1 routers trained at --dial-from's target, dialled to --layerskip-dial: more points
     of its curve (calibration only, as its stage 1 is), so that its FLOPs bracket WIDE's."""
     rows = []
-    trained = wide.trained_target(load_wide_config(args.dial_from)) if args.layerskip_dial else None
+    own = args.layerskip_dial and os.path.isfile(os.path.join(args.dial_from, "wide.json"))
+    trained = wide.trained_target(load_wide_config(args.dial_from)) if own else None
     path = os.path.join(args.out_dir, f"layerskip-s{trained:g}-stage1") if trained is not None else None
     for s in args.layerskip_dial if path and os.path.isfile(os.path.join(path, "wide.json")) else []:
         model, wcfg, got = load_dialled(path, target=s, windows=data.dial_windows, device=args.device,

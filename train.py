@@ -410,7 +410,8 @@ def parser():
     p.add_argument("--stage", default="all", choices=["all", "base", "1", "2"],
                    help="all = base (if missing) + stage 1 + stage 2")
     p.add_argument("--method", default="wide", choices=["wide", "layerskip"])
-    p.add_argument("--with-layerskip", action="store_true", help="also train layer-skip's stage 1 at the same "
+    p.add_argument("--with-layerskip", action=argparse.BooleanOptionalAction, default=False,
+                   help="also train layer-skip's stage 1 at the same "
                    "targets and budget (the paper's calibration-only comparison)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="train in bf16 autocast (default: on CUDA only)")
