@@ -132,6 +132,24 @@ def test_the_gpu_recipe_sets_its_own_budget():
         "out_dir", "device", "batch_size", "base_steps", "stage1_steps", "stage2_steps", "ckpt_interval"}
 
 
+def test_the_smollm2_model_sets_its_own_budget_and_a_given_flag_still_wins():
+    # --model smollm2: the pretrained base, its CPU budget in bf16, and layer-skip's stage 1 beside WIDE's
+    m, targets = train.parse_args(["--model", "smollm2", "--device", "cpu"])
+    assert (m.out_dir, m.base_dir, m.preset, m.batch_size, m.block_size, m.stage1_steps, m.stage2_steps) == \
+        ("out-smollm2", "out-smollm2/base", "smollm2", 8, 256, 128, 128)
+    assert (m.stage2_lr, m.eval_interval, m.val_windows, m.ckpt_interval, m.bf16, m.with_layerskip) == \
+        (1e-3, 16, 8, 20, True, True)
+    assert set(train.MODELS["smollm2"]) == {"out_dir", "preset", "batch_size", "block_size", "stage1_steps",
+                                            "stage2_steps", "stage2_lr", "eval_interval", "val_windows",
+                                            "ckpt_interval", "bf16", "with_layerskip"}
+    # one KV group's 3 query heads per attention decision, FFN groups of 32: 3 and 48 groups per layer
+    assert wide.check_groups(ModelConfig.from_name("smollm2"), targets[0]) == (3, 48)
+    given, _ = train.parse_args(["--model", "smollm2", "--device", "cpu", "--stage1-steps", "5", "--no-bf16"])
+    assert (given.stage1_steps, given.bf16, given.stage2_steps) == (5, False, 128)
+    plain, _ = train.parse_args(["--device", "cpu"])
+    assert (plain.model, plain.bf16, plain.with_layerskip) == (None, None, False)
+
+
 def test_stages_train_with_the_papers_optimizer_settings_and_stage_2_adds_lora(tokenizer, tmp_path, monkeypatch):
     args, _ = train.parse_args(["--device", "cpu", "--out-dir", str(tmp_path), "--stage1-steps", "20",
                                 "--stage2-steps", "30", "--lora-rank", "4", "--lora-alpha", "8",
