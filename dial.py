@@ -64,12 +64,10 @@ def dialled(model, offsets, gaps=None):
 
 @torch.no_grad()
 def run_layers(model, windows):
-    """The layers' forward over windows [N, T] (plain causal, no cache), without the head: the routers
-    read only the residual stream, and a large vocabulary's logits would cost more than the layers."""
-    x = model.embed_tokens(windows)
-    cos, sin = model.rope(torch.arange(windows.shape[1], device=windows.device))
-    for layer in model.layers:
-        x = layer(x, cos, sin, None, None)
+    """The model's forward over windows [N, T] with the head at one position per window only: the routers
+    read the residual stream, and a large vocabulary's logits at every token would cost more than the
+    layers. Through the model's own forward, so a sharded (FSDP2) or wrapped model runs as in training."""
+    model(windows, logits_at=torch.full((len(windows),), windows.shape[1] - 1, device=windows.device))
 
 
 def collect_gaps(model, windows, offsets, batch_size=32):

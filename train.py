@@ -138,7 +138,7 @@ def train_step(model, fwd, opt, params, data, gen, args, sched, step, wcfg, teac
     x, y = get_batch(data, args.batch_size, args.block_size, gen, rank, n)
     x, y = x.to(args.device), y.to(args.device)
     masks = {}
-    with autocast(args.device, args.bf16):
+    with autocast(args.device, getattr(args, "bf16", None)):
         logits, ce = fwd(x, y, masks=masks)
         # The skip rates of the global batch (see global_mean): the penalty must not depend on how
         # many processes share the batch.
@@ -222,7 +222,7 @@ def progress(model, val, args, name, done, ce, rates, tau, clock):
     print as "train/val": Gumbel-sampled in training, deterministic on held-out text."""
     rate, eta = clock.lap(done)  # throughput counts training steps only, not the evaluation below
     train_loss = global_mean(ce.detach()).item()  # over the global batch, not just rank 0's slice
-    val_loss, val_rates = evaluate(model, *val, args.batch_size, args.device, args.bf16)
+    val_loss, val_rates = evaluate(model, *val, args.batch_size, args.device, getattr(args, "bf16", None))
     line = (f"{name} step {done:5d}/{clock.steps} | train {train_loss:.3f} | val {val_loss:.3f} "
             f"| {rate / 1e3:6.1f}k tok/s | ETA {fmt_time(eta)}")
     if val_rates:
@@ -353,10 +353,11 @@ def calibrate_dial(model, wcfg, data, val, args, name):
     routing realizes it (the Gumbel-trained rate drifts at inference); the offsets go into wcfg (and so
     wide.json). Returns the held-out skip rates with the dial."""
     windows = calibration_windows(data, args.block_size, dial.CALIB_WINDOWS, dial.CALIB_SEED).to(args.device)
-    with autocast(args.device, bool(args.bf16)):  # in the precision eval.py scores in: fp32 unless --bf16
+    bf16 = getattr(args, "bf16", None)
+    with autocast(args.device, bool(bf16)):  # the precision eval.py scores in: fp32 unless --bf16
         wcfg.offsets, realized = dial.calibrate(model, windows, wcfg.target, wcfg.attn_target, wcfg.ffn_target)
     with dial.dialled(model, wcfg.offsets):
-        _, val_rates = evaluate(model, *val, args.batch_size, args.device, args.bf16)
+        _, val_rates = evaluate(model, *val, args.batch_size, args.device, bf16)
     log(f"{name}: dial calibrated on {dial.CALIB_WINDOWS} training windows, offsets {dial.describe_offsets(wcfg.offsets)}; "
         "realized skip " + " ".join(f"{k} {sum(v) / len(v):.3f} (held-out {val_rates[k]:.3f})" for k, v in realized.items()))
     return val_rates
