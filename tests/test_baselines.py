@@ -139,6 +139,26 @@ def test_teal_zeroes_the_share_s_of_the_calibration_inputs(sparsity):
         assert abs(share - sparsity) <= 0.01, f"layer {i} {name}: zeroed {share:.3f}, target {sparsity}"
 
 
+def test_teals_one_pass_sets_the_thresholds_a_capture_per_projection_sets():
+    # The twin of calibrate_teal's single forward: in forward order, capture one projection input's |x| over
+    # every batch with the earlier thresholds in place, and take its s-quantile. Every threshold must agree,
+    # deep layers included (a pass that forgot the earlier thresholds would see other inputs there).
+    model, twin = random_model(), random_model()
+    batches = calibration_batches()
+    baselines.calibrate_teal(model, 0.5, batches)
+    for i, layer in enumerate(twin.layers):
+        for group in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)):
+            x = baselines.capture_inputs(twin, batches, group[:1], layers=[i])[(i, group[0])].abs().flatten()
+            t = x.kthvalue(int(0.5 * x.numel())).values.item()
+            for parent, name in wide.LORA_TARGETS:
+                if name in group:
+                    setattr(getattr(layer, parent), name, baselines.TealLinear(getattr(getattr(layer, parent), name), t))
+            for name in group:
+                ours = getattr(getattr(model.layers[i], "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj")
+                                       else "mlp"), name).threshold
+                assert ours == pytest.approx(t, rel=1e-5, abs=1e-6), f"layer {i} {name}: {ours} != {t}"
+
+
 def test_teal_at_sparsity_0_zeroes_nothing_and_keeps_the_logits():
     model = random_model()
     idx = tokens(2, 10)

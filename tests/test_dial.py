@@ -99,6 +99,20 @@ def test_calibration_hits_the_target_on_its_windows(target):
     assert got["attn"] == pytest.approx(sum(per_layer["attn"]) / 2), "calibrate reports what the folded dial realizes"
 
 
+def test_one_pass_gives_the_offsets_of_a_pass_per_router():
+    # The twin of solve_in_order: a full pass per router, in forward order, each solving its offset from its
+    # gaps with the earlier routers' offsets applied. A one-pass solve that did not apply them would differ.
+    model, _ = wide_model()
+    want = {(k, i): 0.2 + 0.05 * i + (0.1 if k == "ffn" else 0.0) for k, i, _ in dial.router_list(model)}
+    offsets = {k: [0.0] * len(model.layers) for k in ("attn", "ffn")}
+    dial.solve_in_order(model, WINDOWS, want, offsets)
+    twin = {k: [0.0] * len(model.layers) for k in ("attn", "ffn")}
+    for kind, i, _ in dial.router_list(model):
+        twin[kind][i] = dial.solve_offset(dial.collect_gaps(model, WINDOWS, twin)[(kind, i)], want[(kind, i)])
+    for kind in twin:
+        assert offsets[kind] == pytest.approx(twin[kind], abs=1e-5), kind
+
+
 def test_calibration_hits_separate_targets_and_a_layer_skip_target():
     model, _ = wide_model()
     offsets, _ = dial.calibrate(model, WINDOWS, attn_target=0.7, ffn_target=0.2)
