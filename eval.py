@@ -96,41 +96,19 @@ def router_rows(args, x, y):
     return rows, group_cfg
 
 
-def layerskip_dial_rows(args, x, y):
-    """Layer-skip's stage-1 routers trained at --dial-from's target, dialled to --layerskip-dial: more points
-    of its curve (calibration only, as its stage 1 is), so that its FLOPs bracket WIDE's."""
+def dial_rows(args, x, y, path, targets, rules, method):
+    """Router checkpoint `path` dialled to each target under each rule; method(rule) names the rows."""
     rows = []
-    own = args.layerskip_dial and os.path.isfile(os.path.join(args.dial_from, "wide.json"))
-    trained = wide.trained_target(load_wide_config(args.dial_from)) if own else None
-    path = os.path.join(args.out_dir, f"layerskip-s{trained:g}-stage1") if trained is not None else None
-    for s in args.layerskip_dial if path and os.path.isfile(os.path.join(path, "wide.json")) else []:
-        model, wcfg, got = load_dialled(path, target=s, windows=data.dial_windows, device=args.device,
-                                        block_size=args.block_size, rule=DIAL_RULE)
-        rows.append(model_row(model, wcfg, x, y, args, "layerskip", s, checkpoint=path, trained_target=trained,
-                              offsets=got["offsets"], dial_rule=DIAL_RULE))
-        print(f"{path} dialled to {s:g}: ppl {rows[-1]['val_ppl']:.2f}, realized {realized(rows[-1]):.3f}, "
-              f"flops {rows[-1]['linear_flop_fraction']:.3f}", flush=True)
-    return rows
-
-
-def load_wide_config(path):
-    with open(os.path.join(path, "wide.json")) as f:
-        return wide.WideConfig(**json.load(f))
-
-
-def dial_rows(args, x, y):
-    rows = []
-    if not os.path.isfile(os.path.join(args.dial_from, "wide.json")):
-        print(f"{args.dial_from}: not trained, no dial rows", flush=True)
+    if not os.path.isfile(os.path.join(path, "wide.json")):
+        print(f"{path}: not trained, no dial rows", flush=True)
         return rows
-    for rule in args.dial_rules:  # the default rule's rows are "wide dial"; another rule's "wide dial (RULE)"
-        method = "wide dial" if rule == DIAL_RULE else f"wide dial ({rule})"
-        for s in args.dial:
-            model, wcfg, got = load_dialled(args.dial_from, target=s, windows=data.dial_windows, device=args.device,
+    for rule in rules:
+        for s in targets:
+            model, wcfg, got = load_dialled(path, target=s, windows=data.dial_windows, device=args.device,
                                             block_size=args.block_size, rule=rule)
-            rows.append(model_row(model, wcfg, x, y, args, method, s, checkpoint=args.dial_from,
+            rows.append(model_row(model, wcfg, x, y, args, method(rule), s, checkpoint=path,
                                   trained_target=wide.trained_target(wcfg), offsets=got["offsets"], dial_rule=rule))
-            print(f"{args.dial_from} dialled to {s:g} ({rule}): ppl {rows[-1]['val_ppl']:.2f}, realized "
+            print(f"{path} dialled to {s:g} ({rule}): ppl {rows[-1]['val_ppl']:.2f}, realized "
                   f"{realized(rows[-1]):.3f}, flops {rows[-1]['linear_flop_fraction']:.3f}", flush=True)
     return rows
 
@@ -371,18 +349,16 @@ def parser():
     p.add_argument("--max-windows", type=count, help="score this many held-out windows, evenly spaced (default: all)")
     p.add_argument("--bf16", action="store_true", help="score and calibrate in bf16 autocast (CPU too)")
     p.add_argument("--layerskip-dial", type=cli.fraction(), nargs="*", default=[], help="also dial the layer-skip "
-                   "stage-1 routers trained at --dial-from's target to these sparsities (bracketing WIDE's FLOPs)")
-    p.add_argument("--matched-stages", type=int, nargs="+", choices=[1, 2], default=[2],
+                   "stage-1 routers trained at 0.5 (OUT/layerskip-s0.5-stage1) to these sparsities (to bracket WIDE's FLOPs)")
+    p.add_argument("--matched-stages", type=cli.integer(1, 2), nargs="+", default=[2],
                    help="the trained WIDE stages that get matched-FLOP rows (dial rows always do)")
     p.add_argument("--no-serving", action="store_true", help="no serving rows (RESULTS/NAME_serving.*)")
     p.add_argument("--no-fp8", action="store_true", help="no fp8-weight rows")
     return p
 
 
-# --model NAME: train.py --model NAME's models, scored on a budget that fits two CPU cores: 64 held-out
-# windows of 256 tokens in bf16 autocast, the dial at 0.3 and 0.7 (keep_power), layer-skip's stage-1
-# routers dialled to 0.4 so its FLOPs bracket WIDE's, matched FLOPs for stage 1 too (the calibration-only
-# comparison); no serving, fp8 or batch-shared rows (those are the engine's, measured on the tiny model).
+# --model NAME: train.py --model NAME's models on a two-core budget (64 held-out windows of 256, bf16), the dial
+# at 0.3 / 0.7, layer-skip's stage 1 dialled to 0.4 to bracket WIDE's FLOPs, matched FLOPs for stage 1 too.
 MODELS = {
     "smollm2": dict(out_dir="out-smollm2", name="quality_smollm2", block_size=256, batch_size=16, max_windows=64,
                     calib_batches=1, bf16=True, dial=[0.3, 0.7], dial_rules=["keep_power"], layerskip_dial=[0.4],
@@ -396,6 +372,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.device = cli.pick_device(args.device)
     args.dial_from = args.dial_from or os.path.join(args.out_dir, "wide-s0.5-stage2")
+    args.layerskip_from = os.path.join(args.out_dir, "layerskip-s0.5-stage1")
     return args
 
 
@@ -451,7 +428,12 @@ def evaluate(args):
     if args.serving_only:
         return
     trained, group_cfg = router_rows(args, x, y)
-    rows = [row("dense", 0, 0.0, dense_ppl, 0.0, 0.0, 1.0)] + trained + layerskip_dial_rows(args, x, y) + dial_rows(args, x, y)
+    # the default rule's dial rows are "wide dial"; another rule's "wide dial (RULE)"
+    wide_dial = dial_rows(args, x, y, args.dial_from, args.dial, args.dial_rules,
+                          lambda rule: "wide dial" if rule == DIAL_RULE else f"wide dial ({rule})")
+    layerskip_dial = dial_rows(args, x, y, args.layerskip_from, args.layerskip_dial, [DIAL_RULE],
+                               lambda rule: "layerskip") if args.layerskip_dial else []
+    rows = [row("dense", 0, 0.0, dense_ppl, 0.0, 0.0, 1.0)] + trained + layerskip_dial + wide_dial
     group_cfg = group_cfg or wide.WideConfig()
     wide.check_groups(cfg, group_cfg)
     cache = {}  # baseline rows by (method, target): the matched-FLOP search reuses them
