@@ -353,3 +353,30 @@ def test_inside_the_calibration_hook_a_gap_exactly_at_the_offset_executes():
         with dial.dialled(model, {"attn": [offset]}), torch.no_grad():
             out = router(x)
         assert torch.equal(out, torch.tensor(keep).expand(3, 5, 2)), f"offset {offset}: a tie executes"
+
+
+def test_eval_scores_the_calibration_only_comparison(tmp_path, tokenizer, monkeypatch, capsys):
+    # eval.py as --model smollm2 runs it, on tiny models: layer-skip's stage-1 routers dialled to bracket WIDE's
+    # FLOPs, matched-FLOP rows for stage 1 as well as stage 2, bf16 autocast, no serving or fp8 rows.
+    import json
+    import eval as evaluate
+    out = tmp_path / "out"
+    save_checkpoint(str(out / "base"), random_model(vocab_size=tokenizer.get_vocab_size()), tokenizer)
+    for name, seed, w in (("wide-s0.5-stage1", 0, {}), ("wide-s0.5-stage2", 1, dict(stage=2)),
+                          ("layerskip-s0.5-stage1", 2, dict(method="layerskip"))):
+        save_router_checkpoint(out / name, tokenizer, offsets_for=0.5, seed=seed, **w)
+    monkeypatch.setattr(data, "split_plays", lambda: ([TEXT * 40], [TEXT * 4]))
+    r = run_main(capsys, evaluate.main, "--out-dir", str(out), "--results", str(tmp_path / "res"), "--name", "q",
+                 "--block-size", "16", "--batch-size", "8", "--max-windows", "6", "--calib-batches", "1",
+                 "--dial", "0.3", "--dial-rules", "keep_power", "--layerskip-dial", "0.4", "--matched-stages", "1",
+                 "2", "--no-serving", "--no-fp8", "--shared-batch", "--no-plot", "--bf16", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads((tmp_path / "res" / "q.json").read_text())
+    assert rec["precision"] == "bf16 autocast" and rec["held_out_tokens"] == 6 * 16 and rec["fp8"] == []
+    assert not (tmp_path / "res" / "q_serving.json").exists()
+    ls = [(r["stage"], r["target_sparsity"], r.get("trained_target")) for r in rec["rows"] if r["method"] == "layerskip"]
+    assert sorted(ls, key=str) == sorted([(1, 0.5, None), (1, 0.4, 0.5)], key=str)
+    dialled = [r for r in rec["rows"] if r["method"] == "wide dial"]
+    assert [(r["target_sparsity"], r["dial_rule"]) for r in dialled] == [(0.3, "keep_power")]
+    matched = {(m["wide_method"], m["wide_stage"]) for m in rec["matched_flops"]}
+    assert matched == {("wide", 1), ("wide", 2), ("wide dial", 2)}
