@@ -55,7 +55,8 @@ def load_wide(path, device="cpu", dtype=torch.float32, merge=True, offsets=True)
     except (json.JSONDecodeError, TypeError) as e:
         raise CheckpointError(f"{file} is corrupt ({e})") from None
     base = base_of(path)  # a router folder: the backbone comes from its pretrained model
-    model = load_pretrained(base, device)[0] if base else Transformer.from_pretrained(path, device=device)  # fp32 until LoRA is merged
+    # fp32 until LoRA is merged
+    model = load_pretrained(base, device)[0] if base else Transformer.from_pretrained(path, device=device)
     try:
         install_routers(model, wcfg)
     except ValueError as e:  # group sizes that do not divide this model's heads or channels
@@ -291,8 +292,14 @@ def base_of(path):
     file = os.path.join(path, "base.json")
     if not os.path.isfile(file):
         return None
-    with open(file) as f:
-        return json.load(f)["model"]
+    try:
+        with open(file) as f:
+            name = json.load(f)["model"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{file} is corrupt ({type(e).__name__}: {e})") from None
+    if name not in PRETRAINED:
+        raise CheckpointError(f"{file} names the pretrained model {name!r}; known: {', '.join(PRETRAINED)}")
+    return name
 
 
 def tokenizer_of(path):

@@ -76,3 +76,28 @@ def test_a_router_folder_holds_only_what_wide_adds():
     assert "model.safetensors" not in files and {"wide.json", "wide.safetensors", "base.json"} <= set(files)
     assert checkpoints.base_of(SHIPPED) == "smollm2"
     assert os.path.getsize(os.path.join(SHIPPED, "wide.safetensors")) < 8 * 2**20  # a few MB, not a model
+
+
+def test_export_writes_only_the_router_tensors_and_a_bad_base_json_is_one_error(tmp_path):
+    import data
+    import wide
+    from model import save_checkpoint
+    from tiny_models import random_model
+    tok = data.train_tokenizer([PROMPT * 4], 300)
+    model = random_model(vocab_size=tok.get_vocab_size())
+    save_checkpoint(str(tmp_path / "out" / "base"), model, tok, extra_files={"source.json": dict(model="smollm2", gguf="x")})
+    wcfg = wide.WideConfig(ffn_group_size=16, rank=8)
+    wide.install_routers(model, wcfg)
+    checkpoints.save_wide(str(tmp_path / "out" / "wide-s0.5-stage1"), model, tok, wcfg)
+    folder = str(tmp_path / "routers" / "wide-s0.5-stage1")
+    checkpoints.export_routers(str(tmp_path / "out" / "wide-s0.5-stage1"), folder)
+    assert sorted(os.listdir(folder)) == ["base.json", "wide.json", "wide.safetensors"]  # no model.safetensors
+    from safetensors.torch import load_file
+    got = load_file(os.path.join(folder, "wide.safetensors"))
+    want = {f"model.{k}": v for k, v in model.state_dict().items() if "router" in k}
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)  # the routers, nothing else
+    assert checkpoints.base_of(folder) == "smollm2" and checkpoints.base_of(str(tmp_path)) is None
+    with open(os.path.join(folder, "base.json"), "w") as f:
+        f.write('{"model": "gpt-9"}')
+    with pytest.raises(CheckpointError, match="gpt-9"):
+        checkpoints.load_wide(folder)
