@@ -237,11 +237,12 @@ def read_gguf(name, tokenizer_only=False):
                               "pip install -r requirements.txt") from None
     from transformers.utils import logging
     logging.set_verbosity_error()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file).backend_tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True).backend_tokenizer
     if tokenizer_only:
         return None, tokenizer
     with contextlib.redirect_stderr(io.StringIO()):  # the dequantization's progress bar, not a script's output
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32), tokenizer
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32,
+                                                    local_files_only=True), tokenizer
 
 
 def from_hf_model(hf, device="cpu", dtype=torch.float32):
