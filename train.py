@@ -2,7 +2,7 @@
 Train everything, from nothing to a WIDE model, in one command:
 
     python train.py                 # base pretraining (skipped if out/base exists), then WIDE stage 1, stage 2
-    python train.py --recipe gpu    # the same on a GPU with 102x the tokens per stage, into out-gpu/ (RECIPES)
+    python train.py --recipe gpu    # the same on a GPU with a larger budget per stage, into out-gpu/ (RECIPES)
     torchrun --nproc_per_node=2 train.py --preset small [--fsdp]   # several GPUs: DDP, or FSDP2 (sharded)
     python train.py --model smollm2 # a real pretrained model (SmolLM2-135M) as the base, into out-smollm2/
 
@@ -373,10 +373,9 @@ def describe_target(wcfg):
 # the command line
 
 
-# The training budgets. "cpu" is the parser's defaults, ~1M tokens per WIDE stage (results/train_cpu.md).
-# "gpu" spends 102x those tokens per stage on one GPU: 1600 steps of 512 x 128 tokens. The base gets 6.4x
-# (500 such steps): it overfits sooner, and longer runs got worse on the held-out plays, while these 500
-# leave it weaker than the CPU base (results/README.md, "Quality at the GPU budget").
+# The training budgets. "cpu" is the parser's defaults (results/train_cpu.md). "gpu" runs each WIDE stage for
+# 1600 steps of 512 x 128 tokens on one GPU, and the base for only 500 such steps: the base overfits sooner
+# (results/README.md, "Quality at the GPU budget", has what longer and shorter bases measured).
 # Flags given on the command line override a recipe's values.
 RECIPES = {
     "cpu": dict(),
@@ -385,10 +384,10 @@ RECIPES = {
 }
 
 # --model NAME: a pretrained model as the base (checkpoints.import_pretrained) instead of pretraining one,
-# and its own budget, sized for about an hour on two CPU cores in bf16: WIDE stages 1 and 2 and layer-skip's
-# stage 1 (the calibration-only comparison) at 128 steps of 8 x 256 tokens each (262k tokens). Group sizes: one KV group's
-# 3 query heads per attention decision (the default), FFN groups of 32 (48 per layer). Stage 2's LoRA starts
-# from a model that already writes English, so it gets a third of the tiny model's learning rate.
+# and its own budget for two CPU cores in bf16 (its wall time: results/train_smollm2_cpu.md): WIDE stages 1 and
+# 2 and layer-skip's stage 1 (the calibration-only comparison), 128 steps of 8 x 256 tokens each. Group sizes:
+# one KV group's 3 query heads per attention decision (the default), FFN groups of 32 (48 per layer). Stage 2's
+# LoRA starts from a model that already writes English, so it gets a third of the tiny model's learning rate.
 MODELS = {
     "smollm2": dict(out_dir="out-smollm2", preset="smollm2", batch_size=8, block_size=256, stage1_steps=128,
                     stage2_steps=128, stage2_lr=1e-3, eval_interval=16, val_windows=8, ckpt_interval=20,
