@@ -211,38 +211,41 @@ class Engine:
     def block(self, layer, ops, x, step, masks):
         """One layer, as its plan says. Each sublayer starts with one kernel that does the residual add,
         the RMSNorm and the router (norm_route), so a decode step has no separate launches for them."""
-        n, head_mask = self.norm_route(ops["attn_norm"], x, layer.input_layernorm, layer.attn_router, masks, "attn")
-        a = self.attention(layer, ops, n, step, head_mask, residual=x)
+        n, head_mask, head_live = self.norm_route(ops["attn_norm"], x, layer.input_layernorm, layer.attn_router,
+                                                  masks, "attn")
+        a = self.attention(layer, ops, n, step, head_mask, head_live, residual=x)
         vote = step.plan.shape.ffn_vote or None  # the vote rule: the rows an FFN group needs (wide.FFNRule)
         if ops["o"].runs == "Triton":  # the O projection's kernel already formed h = x + a
             h = a
-            n, channel_mask = self.norm_route(ops["ffn_norm"], h, layer.post_attention_layernorm,
-                                              layer.ffn_router, masks, "ffn", vote=vote)
+            n, channel_mask, channel_live = self.norm_route(ops["ffn_norm"], h, layer.post_attention_layernorm,
+                                                            layer.ffn_router, masks, "ffn", vote=vote)
         else:                          # the norm's kernel forms it: (h, norm(h)) with h = x + a
-            (h, n), channel_mask = self.norm_route(ops["ffn_norm"], a, layer.post_attention_layernorm,
-                                                   layer.ffn_router, masks, "ffn", residual=x, vote=vote)
-        return self.ffn(layer, ops, n, channel_mask, residual=h)  # h + FFN(n)
+            (h, n), channel_mask, channel_live = self.norm_route(ops["ffn_norm"], a, layer.post_attention_layernorm,
+                                                                 layer.ffn_router, masks, "ffn", residual=x, vote=vote)
+        return self.ffn(layer, ops, n, channel_mask, channel_live, residual=h)  # h + FFN(n)
 
     def norm_route(self, op, x, norm, router, masks, kind, residual=None, vote=None):
-        """(norm(x) or (h, norm(h)) with h = residual + x, and the router's decision on x or h as a bool
-        mask [B, T, G] (True = the group runs; None without a router), shared by the step's rows under the
-        vote rule (vote: the rows a group needs). The float mask goes into `masks` as the reference records it."""
+        """(norm(x) or (h, norm(h)) with h = residual + x, the router's decision on x or h as a bool mask
+        [B, T, G] (True = the group runs; None without a router), shared by the step's rows under the vote
+        rule (vote: the rows a group needs), and the router kernel's live list of that mask (None where the
+        mask was made apart from it). The float mask goes into `masks` as the reference records it."""
+        live = None
         if op.kind == "norm":
             if router is not None and masks is not None:  # the batch rule: every group ran, as the model records
                 masks.setdefault(kind, []).append(x.new_ones(*x.shape[:-1], router.n_groups, dtype=torch.float32))
-            return rms_norm(x, norm, residual), None
+            return rms_norm(x, norm, residual), None, None
         if op.kind == "norm_route":
-            normed, keep, keepf = norm_route(x, norm, router, residual, self.ticket)
+            normed, keep, keepf, live = norm_route(x, norm, router, residual, self.ticket)
         else:  # "norm_then_router"
             normed = rms_norm(x, norm, residual)
             keepf = router(x if residual is None else normed[0])  # at inference exactly 0 or 1
             keep = keepf > 0.5
         if vote is not None:
             keepf = shared_by_vote(keepf.float(), vote)
-            keep = keepf > 0.5
+            keep, live = keepf > 0.5, None  # the vote changed the mask: the kernels list its groups themselves
         if masks is not None:
             masks.setdefault(kind, []).append(keepf)
-        return normed, keep
+        return normed, keep, live
 
     def linear_weights(self, layer, name, op):
         """(weight, fp8 scale or None) as the op reads it: the model dtype, the fp8 codes, or the values
@@ -255,8 +258,8 @@ class Engine:
             return kernels.dequantize_fp8(*self.fp8[id(layer)][name], w.dtype), None
         return w, None
 
-    def attention(self, layer, ops, x, step, head_mask, residual):
-        """Attention with head_mask bool [B, T, G] or None (dense). Returns residual + attention where the
+    def attention(self, layer, ops, x, step, head_mask, head_live, residual):
+        """Attention with head_mask bool [B, T, G] or None (dense), head_live its live list (or None). Returns residual + attention where the
         O projection runs in Triton (its kernel adds the residual in its epilogue), else attention alone."""
         attn = layer.self_attn
         B, T, _ = x.shape
@@ -272,10 +275,11 @@ class Engine:
         wqkv, s8 = self.linear_weights(layer, "qkv", op)
         if op.kind == "gemv":
             # Q's live groups, then K and V (never pruned), as one weight stream in one launch.
-            qkv = kernels.gemm_mn(x2, wqkv, mask, gs, dense_tail=wqkv.shape[0] - nq, w_scale=s8)
+            qkv = kernels.gemm_mn(x2, wqkv, mask, gs, dense_tail=wqkv.shape[0] - nq, w_scale=s8, live=head_live,
+                                  tickets=self.tickets)
         elif op.kind == "gemv_all":  # every row as the dense tail: mask [M, 0]
             qkv = kernels.gemm_mn(x2, wqkv, self.no_groups(M), dense_group(wqkv.shape[0]),
-                                  dense_tail=wqkv.shape[0], w_scale=s8)
+                                  dense_tail=wqkv.shape[0], w_scale=s8, tickets=self.tickets)
         elif op.kind == "tiles":
             # Q proj, live groups only; pruned slots stay unwritten (attention never reads them).
             q = kernels.gemm_mn(x2, wqkv[:nq], lay, gs, zero_pruned=False)
@@ -311,15 +315,16 @@ class Engine:
         op = ops["o"]
         wo, s8 = self.linear_weights(layer, "o", op)
         if op.kind == "gemm_k_all":  # the dense model: every group live
-            gs = dense_group(nq)
+            gs, head_live = dense_group(nq), None
             mask = self.all_groups(M, nq // gs)
         if op.runs == "Triton":
             return kernels.gemm_k(y, wo, mask, gs, residual=residual.reshape(M, -1), tickets=self.tickets,
-                                  w_scale=s8).view(B, T, -1)
+                                  w_scale=s8, live=head_live).view(B, T, -1)
         return F.linear(y, wo).view(B, T, -1)
 
-    def ffn(self, layer, ops, x, channel_mask, residual):
-        """residual + SwiGLU FFN, with channel_mask bool [B, T, G] or None (dense), as the plan says."""
+    def ffn(self, layer, ops, x, channel_mask, channel_live, residual):
+        """residual + SwiGLU FFN, with channel_mask bool [B, T, G] or None (dense) and its live list (or None),
+        as the plan says."""
         B, T, D = x.shape
         M = B * T
         x2 = x.reshape(M, D)
@@ -339,18 +344,19 @@ class Engine:
             gate_scale = None if sgu is None else sgu[:I]
             if op.kind == "gemv_fused_all":  # every row as the decode GEMV's dense tail: mask [M, 0]
                 a = kernels.gemm_mn(x2, wgu[:I], self.no_groups(M), dense_group(I), w_up=wgu[I:], dense_tail=I,
-                                    w_scale=gate_scale, w_up_scale=up_scale)
+                                    w_scale=gate_scale, w_up_scale=up_scale, tickets=self.tickets)
             else:  # "gemv_fused" reads the mask itself, "tiles_fused" the layout
                 lay = layout(channel_mask) if "ffn_layout" in ops else mask
-                a = kernels.gemm_mn(x2, wgu[:I], lay, gs, w_up=wgu[I:], w_scale=gate_scale, w_up_scale=up_scale)
+                a = kernels.gemm_mn(x2, wgu[:I], lay, gs, w_up=wgu[I:], w_scale=gate_scale, w_up_scale=up_scale,
+                                    live=channel_live if op.kind == "gemv_fused" else None, tickets=self.tickets)
         op = ops["down"]
         wd, sd = self.linear_weights(layer, "down", op)
         if op.kind == "gemm_k_all":
-            gs = dense_group(I)
+            gs, channel_live = dense_group(I), None
             mask = self.all_groups(M, I // gs)
         if op.runs == "Triton":  # the residual add in the kernel's epilogue
             return kernels.gemm_k(a, wd, mask, gs, residual=residual.reshape(M, D), tickets=self.tickets,
-                                  w_scale=sd).view(B, T, D)
+                                  w_scale=sd, live=channel_live).view(B, T, D)
         return residual + F.linear(a, wd).view(B, T, D)  # exact: the pruned channels of `a` are zero
 
     def no_groups(self, M):

@@ -131,71 +131,108 @@ def _codes_f32(w, FP8: tl.constexpr):
 
 
 @triton.jit
-def _gemv_block(x, w, w_up, lst, step, end, t, M, K, KS, sxm, swn, GS: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr):
+def _gemv_group(lst, idx, ok, n_routed, G, HAS_LIVE: tl.constexpr):
+    # The group of live-list entry idx: the router's list holds the routed live groups only, the dense tail
+    # (groups G..) follows them; a list built here holds both.
+    if HAS_LIVE:
+        return tl.where(idx < n_routed, tl.load(lst + idx, mask=ok & (idx < n_routed), other=0), G + idx - n_routed)
+    return tl.load(lst + idx, mask=ok, other=0)
+
+
+@triton.jit
+def _gemv_block(x, w, w_up, lst, n_routed, G, step, end, t, M, K, KS, sxm, swn, GS: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr, HAS_LIVE: tl.constexpr):
     # Loads of one step: chunk step // KS (BN rows of one live group), K slice step % KS.
     chunk, k0 = step // KS, (step % KS) * BK
     ok = (step + tl.zeros([BN], tl.int32)) < end
-    g = tl.load(lst + chunk * BN // GS + tl.zeros([BN], tl.int32), mask=ok, other=0)  # [BN], all equal
+    g = _gemv_group(lst, chunk * BN // GS + tl.zeros([BN], tl.int32), ok, n_routed, G, HAS_LIVE)  # [BN], all equal
+    g = tl.where(ok, g, 0)
     n = g * GS + (chunk * BN) % GS + tl.arange(0, BN)
     kk = k0 + tl.arange(0, BK)
     kok = (kk < K)[None, :]
     a = tl.load(x + t[:, None] * sxm + kk[None, :], mask=(t < M)[:, None] & kok, other=0.0)
-    b = tl.load(w + n[:, None] * swn + kk[None, :], mask=ok[:, None] & kok, other=0.0)
+    b = tl.load(w + n[:, None] * swn + kk[None, :], mask=ok[:, None] & kok, other=0.0, eviction_policy="evict_first")
     bu = b
     if FUSED:
-        bu = tl.load(w_up + n[:, None] * swn + kk[None, :], mask=ok[:, None] & kok, other=0.0)
+        bu = tl.load(w_up + n[:, None] * swn + kk[None, :], mask=ok[:, None] & kok, other=0.0,
+                     eviction_policy="evict_first")
     return a, b, bu, g, n
 
 
 @triton.jit
-def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, sxm, swn, som,
+def _gemv_mn_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, FUSED: tl.constexpr, FP8: tl.constexpr):
+    # A chunk's epilogue: fp8 scales, silu(gate) * up, the (token, group) outputs that skip set to 0.
+    if FP8:  # the per-output-channel scales, in fp32
+        res = res * tl.load(ws + n)[None, :]
+        if FUSED:
+            res_up = res_up * tl.load(wus + n)[None, :]
+    if FUSED:
+        res = res / (1.0 + tl.exp(-res)) * res_up
+    on = tl.load(mask + t[:, None] * G + g[None, :], mask=(t < M)[:, None] & (g < G)[None, :], other=1) > 0
+    tl.store(out + t[:, None] * som + n[None, :], tl.where(on, res, 0.0).to(out.dtype.element_ty),
+             mask=(t < M)[:, None])
+
+
+@triton.jit
+def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, part, tickets, M, N, K, G, GE, sxm, swn, som,
                     GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-                    PDL: tl.constexpr):
+                    HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
     """Decode gemm_mn (M <= BT tokens): the weight rows of groups no token runs are never read.
 
-    Grid (P,), persistent. Each program reads the mask itself (no layout, one launch), lists the
-    live groups (some token runs them) and takes an equal share of their BN-row chunks, so every
-    program streams about the same number of weight bytes. One flat loop over (chunk, K slice)
-    steps loads the next step before using this one, across chunk boundaries too. One token:
-    FMAs reduced every step; more tokens: tl.dot on a 16-row tile. Inactive (token, group)
-    outputs and the channels of dead groups are written as zeros. GE groups after the G routed
-    ones are always live (the dense tail: K and V after Q, one stream). FP8: w (and w_up) hold e4m3
-    codes, half the bytes per step; the fp32 sums are multiplied by each row's scale (ws, wus) in the
-    epilogue, before the SwiGLU. PDL: see kernels_base.prior_done (the mask is the previous kernel's).
-    Twin: gemm_mn_ref.
+    Grid (P,), persistent. The live groups (some token runs them) come from the router's live list
+    (HAS_LIVE: norm_route wrote it, so the programs start loading weights at once) or, without one, each
+    program lists them from the mask itself. The work is the live groups' steps, (BN-row chunk, BK slice)
+    in a flat order, shared out in equal runs of steps: every program streams the same weight bytes, so
+    the last wave has no stragglers. A chunk cut by a run boundary is finished by whichever of its two
+    programs comes second: each stores its fp32 partial, takes the boundary's ticket, and the second adds
+    the first's (two addends: the same sum whatever the order) and writes the chunk. The loop loads the
+    next step before using this one. One token: FMAs reduced every step; more tokens: tl.dot on a 16-row
+    tile. Inactive (token, group) outputs and the channels of dead groups are written as zeros. GE groups
+    after the G routed ones are always live (the dense tail: K and V after Q, one stream). FP8: w (and
+    w_up) hold e4m3 codes, half the bytes per step; the fp32 sums are multiplied by each row's scale (ws,
+    wus) in the epilogue, before the SwiGLU. PDL: see kernels_base.prior_done (the mask and the live list
+    are the previous kernel's). Twin: gemm_mn_ref.
     """
     prior_done(PDL)
     pid, P = tl.program_id(0), tl.num_programs(0)
     t = tl.arange(0, BT)
-    gg = tl.arange(0, GP)
-    bits = tl.load(mask + t[:, None] * G + gg[None, :], mask=(t < M)[:, None] & (gg < G)[None, :],
-                   other=0).to(tl.int32)
-    # WIDE skip: the live-group list; a group no token of the step runs is never put on it, so its weight
-    # rows are never read (the dense tail, K and V after Q, is always live)
-    live = ((tl.max(bits, 0) > 0) | ((gg >= G) & (gg < G + GE))).to(tl.int32)
-    dead = tl.where(gg < G + GE, 1 - live, 0)
-    n_live = tl.sum(live, 0)
-    lst = live_list + pid * GP  # this program's list: live groups ascending, then dead ones
-    tl.store(lst + tl.cumsum(live, 0) - 1, gg, mask=live > 0)
-    tl.store(lst + n_live + tl.cumsum(dead, 0) - 1, gg, mask=dead > 0)
-    tl.debug_barrier()
+    if HAS_LIVE:
+        # WIDE skip: the router's live list (groups some token of the step runs, ascending, then the dead
+        # ones); a dead group's weight rows are never read
+        n_routed = tl.load(live)
+        lst = live + 1
+    else:
+        gg = tl.arange(0, GP)
+        bits = tl.load(mask + t[:, None] * G + gg[None, :], mask=(t < M)[:, None] & (gg < G)[None, :],
+                       other=0).to(tl.int32)
+        # WIDE skip: the live-group list; a group no token of the step runs is never put on it, so its
+        # weight rows are never read (the dense tail, K and V after Q, is always live)
+        on = ((tl.max(bits, 0) > 0) | ((gg >= G) & (gg < G + GE))).to(tl.int32)
+        dead = tl.where(gg < G + GE, 1 - on, 0)
+        n_routed = tl.sum(on, 0) - GE
+        lst = live_list + pid * GP  # this program's list: live groups ascending, then dead ones
+        tl.store(lst + tl.cumsum(on, 0) - 1, gg, mask=on > 0)
+        tl.store(lst + n_routed + GE + tl.cumsum(dead, 0) - 1, gg, mask=dead > 0)
+        tl.debug_barrier()
     KS = tl.cdiv(K, BK)
-    C = n_live * (GS // BN)  # live chunks, shared out evenly
-    begin, end = pid * C // P * KS, (pid + 1) * C // P * KS
+    C = (n_routed + GE) * (GS // BN)  # live chunks
+    PW = tl.maximum(tl.minimum(P, C), 1)  # programs with work: each gets at least a chunk's worth of steps
+    S = C * KS
+    begin = tl.where(pid < PW, pid * S // PW, 0)
+    end = tl.where(pid < PW, (pid + 1) * S // PW, 0)
     if BT == 1:
         acc = tl.zeros([BN], tl.float32)
         acc_up = tl.zeros([BN], tl.float32)
     else:
         acc = tl.zeros([BT, BN], tl.float32)
         acc_up = tl.zeros([BT, BN], tl.float32)
-    a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_block(x, w, w_up, lst, begin, end, t, M, K, KS, sxm, swn,
-                                               GS, BN, BK, FUSED)
+    a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_block(x, w, w_up, lst, n_routed, G, begin, end, t, M, K, KS, sxm, swn,
+                                               GS, BN, BK, FUSED, HAS_LIVE)
     for step in range(begin, end):
         a, b, bu, g, n = a_nx, b_nx, bu_nx, g_nx, n_nx
-        a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_block(x, w, w_up, lst, step + 1, end, t, M, K, KS,
-                                                   sxm, swn, GS, BN, BK, FUSED)
+        a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_block(x, w, w_up, lst, n_routed, G, step + 1, end, t, M, K, KS,
+                                                   sxm, swn, GS, BN, BK, FUSED, HAS_LIVE)
         if BT == 1:
             acc += tl.sum(_codes_f32(b, FP8) * a.to(tl.float32), 1)
             if FUSED:
@@ -204,29 +241,40 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
             acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc, input_precision="ieee" if IEEE else "tf32")
             if FUSED:
                 acc_up = tl.dot(a, tl.trans(bu.to(a.dtype)), acc_up, input_precision="ieee" if IEEE else "tf32")
-        if step % KS == KS - 1:  # chunk done: epilogue
+        if (step % KS == KS - 1) | (step == end - 1):  # the chunk, or this program's part of it, is done
             res = acc if BT > 1 else acc[None, :]
             res_up = acc_up if BT > 1 else acc_up[None, :]
-            if FP8:  # the per-output-channel scales, in fp32
-                res = res * tl.load(ws + n)[None, :]
-                if FUSED:
-                    res_up = res_up * tl.load(wus + n)[None, :]
-            if FUSED:
-                res = res / (1.0 + tl.exp(-res)) * res_up
-            on = tl.load(mask + t[:, None] * G + g[None, :], mask=(t < M)[:, None] & (g < G)[None, :], other=1) > 0
-            tl.store(out + t[:, None] * som + n[None, :], tl.where(on, res, 0.0).to(out.dtype.element_ty),
-                     mask=(t < M)[:, None])
+            has_first = (step // KS) * KS >= begin  # this program summed the chunk's first K slice
+            if has_first & (step % KS == KS - 1):  # the whole chunk
+                _gemv_mn_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, FUSED, FP8)
+            else:
+                # Cut by a run boundary: pid's own start (this program has the chunk's end) or pid + 1's.
+                edge = tl.where(has_first, pid + 1, pid)
+                tb = t[:, None] * BN + tl.arange(0, BN)[None, :]
+                mine = part + (edge * 2 + tl.where(has_first, 0, 1)) * 2 * BT * BN
+                other = part + (edge * 2 + tl.where(has_first, 1, 0)) * 2 * BT * BN
+                tl.store(mine + tb, res)
+                tl.store(mine + BT * BN + tb, res_up)
+                tl.debug_barrier()  # this program's partial is stored before the ticket is taken (release)
+                if tl.atomic_add(tickets + edge, 1) == 1:  # second: the other part is stored
+                    tl.atomic_xchg(tickets + edge, 0)
+                    res += tl.load(other + tb, cache_modifier=".cg")
+                    res_up += tl.load(other + BT * BN + tb, cache_modifier=".cg")
+                    _gemv_mn_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, FUSED, FP8)
             acc = acc * 0.0
             acc_up = acc_up * 0.0
-    D = (G + GE - n_live) * (GS // BN)  # dead groups' chunks, shared out the same way: zeros only
+    D = (G - n_routed) * (GS // BN)  # dead groups' chunks, shared out the same way: zeros only
+    dead_at = lst + n_routed  # where the list's dead groups start
+    if not HAS_LIVE:
+        dead_at += GE
     for c in range(pid * D // P, (pid + 1) * D // P):
-        n = tl.load(lst + n_live + c * BN // GS) * GS + (c * BN) % GS + tl.arange(0, BN)
+        n = tl.load(dead_at + c * BN // GS) * GS + (c * BN) % GS + tl.arange(0, BN)
         tl.store(out + t[:, None] * som + n[None, :], tl.zeros([BT, BN], out.dtype.element_ty),
                  mask=(t < M)[:, None])
 
 
 def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, config=None, dense_tail=0,
-            w_scale=None, w_up_scale=None):
+            w_scale=None, w_up_scale=None, live=None, tickets=None):
     """Masked linear with output-channel groups: x[M,K], w[N,K], mask [M, N/group_size] -> [M,N].
 
     With w_up it is the fused SwiGLU input silu(x @ w.T) * (x @ w_up.T) (w = gate).
@@ -238,6 +286,10 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     row is computed: the dense model through the same kernel.
     w_scale [N] (and w_up_scale for w_up): w (and w_up) are float8_e4m3fn with these per-row scales.
     The decode GEMV reads the fp8 bytes; more tokens dequantize to x's dtype and run the sorted tiles.
+    live: the router's live list of this mask (kernels_step.norm_route), int32 [1 + G]: the count of groups
+    some token runs, then those groups ascending, then the others; the decode GEMV reads it instead of
+    listing the groups itself. tickets: int32 zeros, one per program, for the chunks cut between two of the
+    GEMV's programs (the kernel leaves them zero, so a CUDA graph can replay it); None allocates them.
     """
     check_device(x)
     M, K = x.shape
@@ -265,10 +317,18 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
         P = cfg["programs_per_sm"] * num_sms(x.device)
         GP = max(2, triton.next_power_of_2(G + GE))
         BN = pow2_divisor(group_size, cfg["BN"])
-        _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, m, empty((P, GP), torch.int32, x.device), M, N, K,
-                              G, GE, x.stride(0), w.stride(0), out.stride(0), GS=group_size, GP=GP,
-                              BT=1 if M == 1 else GEMV_MAX_TOKENS, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8,
-                              IEEE=ieee, **launch_args(cfg), **pdl_args(x.device))
+        BT = 1 if M == 1 else GEMV_MAX_TOKENS
+        assert live is None or live.numel() == 1 + G, "live: the router's count, then its G groups"
+        if tickets is None:
+            tickets = torch.zeros(P, dtype=torch.int32, device=x.device)
+        assert tickets.numel() >= P and tickets.dtype == torch.int32, "one int32 ticket per program"
+        # Lists built in the kernel (no router list), and the partial sums of the chunks cut between programs.
+        live_list = empty((P, GP) if live is None else (1,), torch.int32, x.device)
+        part = empty((P, 2, 2, BT, BN), torch.float32, x.device)
+        _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, m, m if live is None else live, live_list, part, tickets,
+                              M, N, K, G, GE, x.stride(0), w.stride(0), out.stride(0), GS=group_size, GP=GP,
+                              BT=BT, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8, IEEE=ieee, HAS_LIVE=live is not None,
+                              **launch_args(cfg), **pdl_args(x.device))
         return out
     lay = as_layout(mask_or_layout)
     cfg = config_for("gemm_mn_fused" if fused else "gemm_mn", config)
@@ -318,10 +378,11 @@ def _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
 
 
 @triton.jit
-def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, G, sam, swn, som,
+def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, N, K, G, sam, swn, som,
                    GS: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, HAS_RES: tl.constexpr,
-                   FP8: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr):
+                   FP8: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr, HAS_LIVE: tl.constexpr,
+                   PDL: tl.constexpr):
     """out[t, n] = sum over the groups g that token t runs of a[t, g-slice] . w[n, g-slice].
 
     Grid (cdiv(M,BM) * cdiv(N,BN),), L2-grouped. Tokens stay in their original order, so the
@@ -335,7 +396,8 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, 
     sums the partials in a fixed order (still deterministic) and writes the result. HAS_RES: the
     epilogue adds a residual, rounded as `res + (a @ w.T)` is. FP8: w holds e4m3 codes (the skipped
     groups' bytes are still never read); the fp32 sum is multiplied by output channel n's scale ws[n]
-    before the residual add. PDL: see kernels_base.prior_done. Twin: gemm_k_ref.
+    before the residual add. HAS_LIVE (decode, one token tile): the groups come from the router's live list
+    (norm_route) instead of the tile's own scan of the mask. PDL: see kernels_base.prior_done. Twin: gemm_k_ref.
     """
     prior_done(PDL)
     pid = tl.program_id(0)
@@ -347,15 +409,23 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, 
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     rok, cok = rows < M, cols < N
-    gg = tl.arange(0, GP)
-    bits = tl.load(mask + rows[:, None] * G + gg[None, :], mask=rok[:, None] & (gg < G)[None, :],
-                   other=0).to(tl.int32)
-    # WIDE skip: only the groups some token of this tile runs are visited; the others' weight columns are
-    # never read
-    live = (tl.max(bits, 0) > 0).to(tl.int32)
-    n_live = tl.sum(live, 0)
     STEPS: tl.constexpr = GS // BK
     split = tl.program_id(1)
+    if HAS_LIVE:  # the router's live list (the tile holds every token of the step): its groups, at once
+        n_live = tl.load(live)
+        lst = live + 1
+    else:
+        gg = tl.arange(0, GP)
+        bits = tl.load(mask + rows[:, None] * G + gg[None, :], mask=rok[:, None] & (gg < G)[None, :],
+                       other=0).to(tl.int32)
+        # WIDE skip: only the groups some token of this tile runs are visited; the others' weight columns
+        # are never read
+        on = (tl.max(bits, 0) > 0).to(tl.int32)
+        n_live = tl.sum(on, 0)
+        lst = live_list + (pid * SPLIT + split) * GP
+        if n_live < G:  # compact the live groups once into this program's scratch row
+            tl.store(lst + tl.cumsum(on, 0) - 1, gg, mask=on > 0)
+            tl.debug_barrier()
     acc = tl.zeros([BM, BN], tl.float32)
     if n_live == G:  # every group is live (the usual case at random masks): plain K loop
         per = tl.cdiv(G, SPLIT)
@@ -363,11 +433,7 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live_list, M, N, K, 
             acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G,
                                sam, swn, GS, BM, BK, IEEE, F16)
     else:
-        # Compact the live groups once into this program's scratch row; dead groups are never
-        # visited (block skip), so their weight columns are never read.
-        lst = live_list + (pid * SPLIT + split) * GP
-        tl.store(lst + tl.cumsum(live, 0) - 1, gg, mask=live > 0)
-        tl.debug_barrier()
+        # Only the listed groups are visited (block skip): a dead group's weight columns are never read.
         per = tl.cdiv(n_live, SPLIT)
         for it in range(split * per * STEPS, tl.minimum(split * per + per, n_live) * STEPS):
             acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
@@ -424,7 +490,7 @@ def _gemm_k_atomic_kernel(a, w, out32, counts, perm, work, M, N, NT, sam, swn,
 
 
 def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residual=None, tickets=None,
-           w_scale=None):
+           w_scale=None, live=None):
     """Masked linear with reduction groups: a[M,K], w[N,K], mask [M, K/group_size] -> [M,N].
 
     residual [M, N]: return residual + (that result), the add fused into the kernel ("tile" only).
@@ -432,6 +498,8 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     CUDA graph can replay it; an engine keeps one buffer); None allocates them.
     w_scale [N]: w is float8_e4m3fn with these per-row scales ("tile" reads the fp8 bytes at any M;
     "atomic" dequantizes first).
+    live: the router's live list of this mask (kernels_step.norm_route), int32 [1 + G]; a decode step's
+    tile (all its tokens) reads it instead of scanning the mask.
 
     method="tile" (default): deterministic, no atomics (see _gemm_k_kernel).
     method="atomic": per-group sorted tiles + fp32 atomics (the authors' scheme; not deterministic).
@@ -476,12 +544,15 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     if residual is not None:
         residual = residual.contiguous()
     GP = max(2, triton.next_power_of_2(G))
-    live_list = empty((grid[0] * split, GP), torch.int32, a.device)
+    assert live is None or (M <= BM and live.numel() == 1 + G), "live: one tile's list, the count then G groups"
+    live_list = empty((grid[0] * split, GP) if live is None else (1,), torch.int32, a.device)
     ws = w_scale.contiguous() if w_scale is not None else out  # (a placeholder pointer without scales)
-    _gemm_k_kernel[grid](a, w, ws, out, residual if residual is not None else out, part, tickets, m, live_list,
+    _gemm_k_kernel[grid](a, w, ws, out, residual if residual is not None else out, part, tickets, m,
+                         m if live is None else live, live_list,
                          M, N, K, G, a.stride(0), w.stride(0), N, GS=group_size, GP=GP, BM=BM,
                          BN=cfg["BN"], BK=pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, SPLIT=split,
                          HAS_RES=residual is not None, FP8=w_scale is not None, IEEE=ieee,
-                         F16=0 if w_scale is None else min(cfg.get("F16", 1), 1 if ieee else 2), **launch_args(cfg),
+                         F16=0 if w_scale is None else min(cfg.get("F16", 1), 1 if ieee else 2),
+                         HAS_LIVE=live is not None, **launch_args(cfg),
                          **pdl_args(a.device))
     return out

@@ -127,6 +127,14 @@ def route_ref(router, x):
     return keep, keep.float()
 
 
+def live_ref(keep):
+    """Twin of norm_route's live list: keep bool [..., G] -> int32 [1 + G], the number of groups some token
+    runs, those groups ascending, then the others ascending."""
+    on = keep.reshape(-1, keep.shape[-1]).any(0)
+    groups = torch.arange(on.numel(), device=keep.device)
+    return torch.cat([on.sum().view(1), groups[on], groups[~on]]).to(torch.int32)
+
+
 def norm_route_ref(x, norm, router, residual=None):
     """Twin of norm_route: (rms_norm_ref(x, norm, residual), *route_ref(router, x or h))."""
     normed = rms_norm_ref(x, norm, residual)
@@ -135,8 +143,10 @@ def norm_route_ref(x, norm, router, residual=None):
 
 def norm_route(x, norm, router, residual=None, ticket=None, ranks_per_program=None):
     """The start of a sublayer for the few tokens of a step, in one launch: h = residual + x (if given),
-    RMSNorm(h), and the wide.Router decision on the raw h. Returns (normed, keep bool, keep float) with
-    normed = norm(x), or (h, norm(h)) with a residual; masks [B, T, G].
+    RMSNorm(h), and the wide.Router decision on the raw h. Returns (normed, keep bool, keep float, live) with
+    normed = norm(x), or (h, norm(h)) with a residual; masks [B, T, G]. live: the step's live list, int32
+    [1 + G] (the number of groups some token runs, those groups ascending, then the others), which the
+    decode kernels read instead of scanning the mask; None where the second Linear runs apart (many tokens).
     ticket: an int32 counter that is zero between launches (the kernel leaves it zero, so a CUDA graph
     can replay it); launches on one stream run one after another, so an engine needs only one."""
     check_device(x)
@@ -151,6 +161,7 @@ def norm_route(x, norm, router, residual=None, ticket=None, ranks_per_program=No
     z = empty((M, R), torch.float32, x.device)
     keep = empty((M, G), torch.uint8, x.device)
     keepf = empty((M, G), torch.float32, x.device)
+    live = empty((1 + G,), torch.int32, x.device)
     ticket = torch.zeros(1, dtype=torch.int32, device=x.device) if ticket is None else ticket
     BT = max(2, triton.next_power_of_2(M))
     # One router rank per program on a GPU; the interpreter pays per program, so one program there,
@@ -163,7 +174,7 @@ def norm_route(x, norm, router, residual=None, ticket=None, ranks_per_program=No
     P = triton.cdiv(R, RB)
     CW = triton.cdiv(D, P)  # the columns of h / RMSNorm(h) each program writes
     _norm_route_kernel[(P,)](
-        x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, z, up.weight, up.bias, keep, keepf, ticket,
+        x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, z, up.weight, up.bias, keep, keepf, live, ticket,
         M, D, R, G, CW, HAS_RES=residual is not None, UP=up_here, BT=BT, RB=RB,
         BK=min(triton.next_power_of_2(D), max(16, 8192 // BT)), RP=RP, BG=BG, CWP=triton.next_power_of_2(CW),
         num_warps=8, **pdl_args(x.device))  # wide chunks: the loop over D is latency-bound, so few long iterations
@@ -173,11 +184,11 @@ def norm_route(x, norm, router, residual=None, ticket=None, ranks_per_program=No
                                                                      TB=TB, RP=RP, BG=BGU, num_warps=4,
                                                                      **pdl_args(x.device))
     normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
-    return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G)
+    return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), live if up_here else None
 
 
 @triton.jit
-def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, ticket, M, D, R, G,
+def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, live, ticket, M, D, R, G,
                        CW, HAS_RES: tl.constexpr, UP: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
                        BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr, CWP: tl.constexpr, PDL: tl.constexpr):
     """Residual add + RMSNorm + router for the M <= BT tokens of a step. Grid (cdiv(R, RB),).
@@ -186,7 +197,8 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
     Linear for its RB ranks, z = h @ wd[r] + bd[r] in fp32, and writes h and RMSNorm(h) for its share of
     the columns. The
     last program to take a ticket (the others' z are then visible) applies the second Linear and the
-    rule of wide.Router: skip iff z_skip > z_exec, a tie executes; it resets the ticket. Deterministic:
+    rule of wide.Router: skip iff z_skip > z_exec, a tie executes, and writes the step's live list (the
+    groups some token runs, ascending, after their count; then the others); it resets the ticket. Deterministic:
     each z is one program's fixed-order sum, and one program does the rest. UP=False leaves the
     second Linear to _router_up_kernel (many tokens). Skips nothing. Twin: norm_route_ref."""
     prior_done(PDL)
@@ -235,11 +247,20 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
         tl.debug_barrier()  # every thread's z is stored before the ticket is taken (release)
         if tl.atomic_add(ticket, 1) == tl.num_programs(0) - 1:  # the last program: z is complete
             tl.atomic_xchg(ticket, 0)
+            any_run = tl.zeros([BG], tl.int32)
             for m in range(0, M):
                 zr = tl.load(z + m * R + rr, mask=rr < R, other=0.0, cache_modifier=".cg")[None, :]
                 run = tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec  # a tie executes
                 tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
                 tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)
+                any_run = any_run | run.to(tl.int32)
+            # WIDE skip: the live list, built once per router decision; the decode GEMVs stream only its groups
+            on = tl.where(g < G, any_run, 0)
+            off = tl.where(g < G, 1 - any_run, 0)
+            n_live = tl.sum(on, 0)
+            tl.store(live, n_live)
+            tl.store(live + 1 + tl.cumsum(on, 0) - 1, g, mask=on > 0)
+            tl.store(live + 1 + n_live + tl.cumsum(off, 0) - 1, g, mask=off > 0)
 
 
 @triton.jit

@@ -9,6 +9,7 @@ import torch
 
 import engine
 import kernels_step
+import policy
 import wide
 from conftest import assert_close
 from model import KVCache, ModelConfig, RMSNorm, Transformer
@@ -80,11 +81,15 @@ def test_norm_route_kernel_matches_twin_and_the_router_itself(M, with_residual, 
         x, res = randn(2, M, 64, seed=7, std=scale), randn(2, M, 64, seed=11, std=scale)
         ticket = torch.zeros(1, dtype=torch.int32, device=DEV)
         for _ in range(2):  # the ticket is back at zero after a launch, so a second one works the same
-            normed, keep, keepf = kernels_step.norm_route(x, norm, r, res if with_residual else None, ticket,
-                                                         ranks_per_program)
+            normed, keep, keepf, live = kernels_step.norm_route(x, norm, r, res if with_residual else None, ticket,
+                                                                ranks_per_program)
             assert ticket.item() == 0
         ref_normed, ref, ref_f = kernels_step.norm_route_ref(x, norm, r, res if with_residual else None)
         assert torch.equal(keep, ref) and torch.equal(keepf, ref_f), "routing decisions must be identical"
+        # A step of a few tokens (the second Linear in the same launch) also gets its live list.
+        assert (live is not None) == (2 * M <= policy.ROUTER_UP_FUSED_MAX_TOKENS)
+        if live is not None:
+            assert torch.equal(live, kernels_step.live_ref(ref)), "the live list: count, live groups, then the others"
         assert torch.equal(keepf, r(res + x if with_residual else x)), "the twin is the router's own rule"
         for got, want in zip(normed if with_residual else [normed], ref_normed if with_residual else [ref_normed]):
             assert_close(got, want, atol=1e-5, what="h / RMSNorm(h)")
@@ -98,8 +103,20 @@ def test_norm_route_kernel_executes_on_a_tie(T):
     with torch.no_grad():
         r.up.weight.view(4, 2, -1)[:, 1] = r.up.weight.view(4, 2, -1)[:, 0]
         r.up.bias.zero_()
-        _, keep, keepf = kernels_step.norm_route(randn(1, T, 64, seed=8), norm, r)
+        _, keep, keepf, _ = kernels_step.norm_route(randn(1, T, 64, seed=8), norm, r)
     assert keep.all() and (keepf == 1).all()
+
+
+@pytest.mark.parametrize("skip", [[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 1]], ids=["all off", "all on", "ends off"])
+def test_norm_route_live_list_counts_the_groups_some_token_runs_then_lists_the_rest(skip):
+    r, norm = router(), RMSNorm(64, 1e-5).to(DEV)
+    with torch.no_grad():
+        r.up.weight.zero_()
+        r.up.bias.view(4, 2)[:, 1] = torch.tensor(skip, dtype=torch.float32) * 2 - 1  # +1: skip, -1: run
+        _, keep, _, live = kernels_step.norm_route(randn(1, 2, 64, seed=9), norm, r)
+    on = [g for g in range(4) if not skip[g]]
+    assert live.tolist() == [len(on)] + on + [g for g in range(4) if skip[g]]
+    assert torch.equal(live, kernels_step.live_ref(keep))
 
 
 def test_norm_route_kernel_skips_when_the_skip_logit_is_larger():
@@ -107,7 +124,7 @@ def test_norm_route_kernel_skips_when_the_skip_logit_is_larger():
     with torch.no_grad():
         r.up.weight.zero_()
         r.up.bias.view(4, 2)[:, 1] = torch.tensor([1e-3, -1e-3, 1e-3, -1e-3])  # skip, run, skip, run
-        _, keep, _ = kernels_step.norm_route(randn(2, 3, 64, seed=9), norm, r)
+        _, keep, _, _ = kernels_step.norm_route(randn(2, 3, 64, seed=9), norm, r)
     assert keep.tolist() == [[[False, True, False, True]] * 3] * 2
 
 

@@ -17,6 +17,7 @@ import kernels
 import kernels_attention
 import kernels_base
 import kernels_layout
+import kernels_step
 from conftest import assert_close as _assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -135,6 +136,54 @@ def test_decode_gemm_mn_computes_a_dense_tail_after_the_routed_groups(M, p_on):
     assert_close(out, ref)
     assert_close(out[:, 48:], x @ w[48:].t())
     assert (out[:, :48][~mask.repeat_interleave(16, 1)] == 0).all()
+
+
+def cut_runs(C, KS, P):
+    """The run boundaries of the decode GEMV that fall inside a chunk (C live chunks of KS steps, P programs)."""
+    PW = max(1, min(P, C))
+    return [p * C * KS // PW for p in range(1, PW) if p * C * KS // PW % KS]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "gate+up"])
+@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("per_sm", [1, 3, 5])  # 2, 6, 10 programs (two "SMs" under the interpreter)
+@pytest.mark.parametrize("with_live", [False, True], ids=["own list", "router's list"])
+def test_decode_gemv_shares_steps_evenly_and_finishes_the_chunks_cut_between_programs(with_live, per_sm, M, fused, fp8):
+    # The programs take equal runs of (chunk, K slice) steps, so a run may start or end inside a chunk: the
+    # second of its two programs adds the first's partial and writes it. The tickets end at zero.
+    gen = torch.Generator().manual_seed(30 + per_sm + M)
+    G, GS, K, tail = 5, 16, 80, 16  # K = 80 in slices of 32: three steps per chunk, the last one short
+    x = randn(M, K, gen=gen)
+    w, w_up = randn(G * GS + tail, K, gen=gen), randn(G * GS + tail, K, gen=gen) if fused else None
+    mask = make_mask((M, G), 0.5, gen)
+    mask[:, 1] = False  # one group no token runs, three that some token does, one either way
+    mask[0, [0, 2, 4]] = True
+    ws = wus = None
+    if fp8:
+        w, ws = kernels.quantize_fp8(w)
+        w_up, wus = kernels.quantize_fp8(w_up) if fused else (None, None)
+    live = kernels_step.live_ref(mask) if with_live else None
+    tickets = torch.zeros(64, dtype=torch.int32, device=DEV)
+    cfg = dict(programs_per_sm=per_sm, BN=8, BK=32)
+    C = (int(mask.any(0).sum()) + 1) * 2
+    if per_sm == 3:
+        assert cut_runs(C, 3, 6), "this case must cut some chunk between two programs"
+    out = kernels.gemm_mn(x, w, mask, GS, w_up=w_up, dense_tail=tail, w_scale=ws, w_up_scale=wus, config=cfg,
+                          tickets=tickets, live=live)
+    assert_close(out, kernels.gemm_mn_ref(x, w, mask, GS, w_up=w_up, dense_tail=tail, w_scale=ws, w_up_scale=wus))
+    assert not tickets.any(), "every ticket is back at zero"
+
+
+@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("p_on", [0.0, 0.5, 1.0])
+def test_decode_gemm_k_with_the_routers_live_list_matches_twin(M, p_on):
+    gen = torch.Generator().manual_seed(40 + M)
+    a, w = randn(M, 6 * 16, gen=gen), randn(24, 6 * 16, gen=gen)
+    mask = make_mask((M, 6), p_on, gen)
+    res = randn(M, 24, gen=gen)
+    out = kernels.gemm_k(a, w, mask, 16, residual=res, live=kernels_step.live_ref(mask))
+    assert_close(out, kernels.gemm_k_ref(a, w, mask, 16, residual=res))
 
 
 def test_decode_gemm_k_with_a_long_reduction_splits_the_live_groups(launches):
