@@ -20,7 +20,8 @@ What is pinned (GS = 16 channels per group; "live" = some token of the step, or 
   gemm_mn, sorted tiles (M > GEMV_MAX_TOKENS): group g's weight rows are read exactly once per live token tile of
       g, so never for a group no token runs and never by a dead tile; x row t once per group t runs.
   gemm_mn, decode GEMV (M <= 16): each weight row (and fp8 scale) of a live group or of the dense tail
-      is read exactly once; a dead group's rows never.
+      is read exactly once, also when runs of steps cut a chunk between two programs and when the groups
+      come from the router's live list; a dead group's rows never.
   gemm_k (decode with its split, short and long K; and the token tiles): group g's weight columns are
       read once per token tile in which g is live, never otherwise; a pruned a-slot is never read.
   attention_prefill: q[b, h, t] is read once if token t runs h's group, else never; the K/V of
@@ -43,6 +44,7 @@ import kernels
 import kernels_attention
 import kernels_base
 import kernels_layout
+import kernels_step
 
 pytestmark = pytest.mark.skipif(not kernels_base.INTERPRET, reason="reads are recorded through the Triton interpreter")
 
@@ -197,15 +199,19 @@ def test_gemm_mn_tiles_read_a_groups_weight_rows_once_per_live_tile_and_never_fo
     assert torch.equal(rec.reads("_gemm_mn_kernel", "x"), mask.sum(1)[:, None].expand(-1, K).long())
 
 
+@pytest.mark.parametrize("runs", ["default", "cut"])  # cut: 10 programs, runs of steps that cut chunks
+@pytest.mark.parametrize("source", ["own list", "router's list"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("kind", KINDS)
-def test_decode_gemv_never_reads_the_rows_of_a_dead_group(kind, M, fmt):
+def test_decode_gemv_never_reads_the_rows_of_a_dead_group(kind, M, fmt, source, runs):
     K, G = 64, 6
     mask = step_mask(kind, M, G)
     w, ws = weight(fmt, G * GS, K)
+    live = kernels_step.live_ref(mask) if source == "router's list" else None
+    cfg = dict(programs_per_sm=5, BN=4, BK=32) if runs == "cut" else None
     with recorded_loads() as rec:
-        kernels.gemm_mn(randn(M, K), w, mask, GS, w_scale=ws)
+        kernels.gemm_mn(randn(M, K), w, mask, GS, w_scale=ws, live=live, config=cfg)
     live = mask.any(0).long()  # [G]: some token of the step runs the group
     assert torch.equal(rec.reads("_gemv_mn_kernel", "w"), per_row(live, K)), "each live row once, dead rows never"
     if fmt == "fp8":
@@ -245,13 +251,15 @@ def test_decode_gemv_reads_the_dense_tail_once_and_still_skips_the_dead_groups_b
 @pytest.mark.parametrize("long_k", [False, True], ids=["short K", "long K"])
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("kind", KINDS)
-def test_decode_gemm_k_never_reads_the_weight_columns_of_a_group_no_token_runs(kind, M, long_k, fmt):
+@pytest.mark.parametrize("source", ["own list", "router's list"])
+def test_decode_gemm_k_never_reads_the_weight_columns_of_a_group_no_token_runs(kind, M, long_k, fmt, source):
     K = kernels_base.LONG_K if long_k else kernels_base.LONG_K - GS  # the long-K variant splits from LONG_K on
     G, N = K // GS, 64
     mask = step_mask(kind, M, G)
     w, ws = weight(fmt, N, K)
+    live = kernels_step.live_ref(mask) if source == "router's list" else None
     with recorded_loads() as rec:
-        kernels.gemm_k(randn(M, K), w, mask, GS, w_scale=ws)
+        kernels.gemm_k(randn(M, K), w, mask, GS, w_scale=ws, live=live)
     # The split programs share a tile's live groups out: each live group's columns are read exactly once.
     assert torch.equal(rec.reads("_gemm_k_kernel", "w"), per_column(mask.any(0).long(), N))
     a_read = rec.reads("_gemm_k_kernel", "a") > 0
