@@ -425,3 +425,34 @@ def test_gpu_bf16_attention():
     out = kernels_attention.attention_decode(q[:, :, :1], k, v, dmask, kv_len)
     ref = kernels_attention.attention_decode_ref(q[:, :, :1].float(), k.float(), v.float(), dmask, kv_len)
     assert rel_err(out, ref) <= 1e-2 or not dmask.any()
+
+
+# ---------------------------------------------------------------------------------- PDL
+def pdl_kernels():
+    """(file, kernel name, body) of every @triton.jit function in the kernel files that takes PDL."""
+    import ast
+    found = []
+    for name in ("kernels.py", "kernels_attention.py", "kernels_layout.py", "kernels_step.py"):
+        tree = ast.parse(open(os.path.join(ROOT, name)).read())
+        for fn in tree.body:
+            if isinstance(fn, ast.FunctionDef) and "PDL" in [a.arg for a in fn.args.args] and fn.name != "prior_done":
+                found.append((name, fn.name, fn.body))
+    return found
+
+
+def test_every_kernel_that_takes_pdl_waits_before_its_first_load_or_store():
+    # Under PDL a kernel may start while the one before it still runs (kernels_base.prior_done): a load of
+    # what that kernel writes, or any store, before the wait is a race that the interpreter never shows (it
+    # runs no PDL) and a GPU shows only now and then. So the rule is kept by construction: the wait is the
+    # kernel's first statement after its docstring, on every path.
+    import ast
+    kernels_with_pdl = pdl_kernels()
+    assert {"_gemv_mn_kernel", "_gemm_k_kernel", "_attn_decode_kernel", "_norm_route_kernel"} <= \
+        {k for _, k, _ in kernels_with_pdl}, "the decode kernels take PDL"
+    for file, kernel, body in kernels_with_pdl:
+        stmts = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        first = stmts[0]
+        assert (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+                and getattr(first.value.func, "id", None) == "prior_done"
+                and [getattr(a, "id", None) for a in first.value.args] == ["PDL"]), \
+            f"{file}: {kernel} must call prior_done(PDL) before anything else"
