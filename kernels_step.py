@@ -173,10 +173,11 @@ def norm_route(x, norm, router, residual=None, ticket=None, ranks_per_program=No
     up_here = M <= ROUTER_UP_FUSED_MAX_TOKENS
     P = triton.cdiv(R, RB)
     CW = triton.cdiv(D, P)  # the columns of h / RMSNorm(h) each program writes
+    BK = min(triton.next_power_of_2(D), max(16, 8192 // BT))
     _norm_route_kernel[(P,)](
         x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, z, up.weight, up.bias, keep, keepf, live, ticket,
         M, D, R, G, CW, HAS_RES=residual is not None, UP=up_here, BT=BT, RB=RB,
-        BK=min(triton.next_power_of_2(D), max(16, 8192 // BT)), RP=RP, BG=BG, CWP=triton.next_power_of_2(CW),
+        BK=BK, RP=RP, BG=BG, CWP=triton.next_power_of_2(CW), ONE_PASS=BK >= D,
         num_warps=8, **pdl_args(x.device))  # wide chunks: the loop over D is latency-bound, so few long iterations
     if not up_here:
         TB, BGU = (BT, BG) if INTERPRET else (1, min(64, BG))
@@ -190,7 +191,8 @@ def norm_route(x, norm, router, residual=None, ticket=None, ranks_per_program=No
 @triton.jit
 def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, live, ticket, M, D, R, G,
                        CW, HAS_RES: tl.constexpr, UP: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
-                       BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr, CWP: tl.constexpr, PDL: tl.constexpr):
+                       BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr, CWP: tl.constexpr, ONE_PASS: tl.constexpr,
+                       PDL: tl.constexpr):
     """Residual add + RMSNorm + router for the M <= BT tokens of a step. Grid (cdiv(R, RB),).
 
     Every program forms h = res + x (rounded to the model dtype as `x + a` is) and the router's first
@@ -200,13 +202,31 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
     rule of wide.Router: skip iff z_skip > z_exec, a tie executes, and writes the step's live list (the
     groups some token runs, ascending, after their count; then the others); it resets the ticket. Deterministic:
     each z is one program's fixed-order sum, and one program does the rest. UP=False leaves the
-    second Linear to _router_up_kernel (many tokens). Skips nothing. Twin: norm_route_ref."""
-    prior_done(PDL)
+    second Linear to _router_up_kernel (many tokens). Under PDL the router's weights (nothing a kernel
+    writes) are loaded before the wait, so their latency hides behind the previous kernel's last programs
+    (ONE_PASS: the first Linear's rows fit one pass over D). Skips nothing. Twin: norm_route_ref."""
     pid = tl.program_id(0)
-    t = tl.arange(0, BT)
-    tok = t < M
     r = pid * RB + tl.arange(0, RB)
     kk = tl.arange(0, BK)
+    if ONE_PASS:
+        w_first = tl.load(wd + r[:, None] * D + kk[None, :], mask=(r < R)[:, None] & (kk < D)[None, :], other=0.0)
+    bias = tl.load(bd + r, mask=r < R, other=0.0)
+    c = pid * CW + tl.arange(0, CWP)  # the columns of h and RMSNorm(h) this program writes
+    cok = (c < D) & (c < pid * CW + CW)
+    wt = tl.load(nw + c, mask=cok, other=0.0)
+    if UP:
+        # The second Linear's weights, loaded by every program: whichever program is last then has them
+        # at hand instead of starting a dependent load.
+        g = tl.arange(0, BG)
+        rr = tl.arange(0, RP)
+        wm = (g < G)[:, None] & (rr < R)[None, :]
+        w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
+        w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+        b_exec = tl.load(bu + 2 * g, mask=g < G, other=0.0)
+        b_skip = tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
+    prior_done(PDL)
+    t = tl.arange(0, BT)
+    tok = t < M
     acc = tl.zeros([BT, RB, BK], tl.float32)
     ss = tl.zeros([BT], tl.float32)
     for k0 in range(0, D, BK):
@@ -217,14 +237,16 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
             hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
         hf = hv.to(tl.float32)
         ss += tl.sum(hf * hf, 1)
-        w = tl.load(wd + r[:, None] * D + k0 + kk[None, :], mask=(r < R)[:, None] & (k0 + kk < D)[None, :], other=0.0)
+        if ONE_PASS:
+            w = w_first
+        else:
+            w = tl.load(wd + r[:, None] * D + k0 + kk[None, :], mask=(r < R)[:, None] & (k0 + kk < D)[None, :],
+                        other=0.0)
         acc += hf[:, None, :] * w[None, :, :]
-    zt = tl.sum(acc, 2) + tl.load(bd + r, mask=r < R, other=0.0)[None, :]
+    zt = tl.sum(acc, 2) + bias[None, :]
     tl.store(z + t[:, None] * R + r[None, :], zt, mask=tok[:, None] & (r < R)[None, :])
     # h and RMSNorm(h) for this program's slice of CW columns (every program has the row sums of
     # squares), so the write-out is spread over the grid instead of one program's serial loop.
-    c = pid * CW + tl.arange(0, CWP)
-    cok = (c < D) & (c < pid * CW + CW)
     ok = tok[:, None] & cok[None, :]
     offs = t[:, None].to(tl.int64) * D + c[None, :]
     hv = tl.load(x + offs, mask=ok, other=0.0)
@@ -232,18 +254,8 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
         hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
         tl.store(h_out + offs, hv, mask=ok)
     n = (hv.to(tl.float32) * tl.rsqrt(ss / D + eps)[:, None]).to(hv.dtype)
-    wt = tl.load(nw + c, mask=cok, other=0.0)
     tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
     if UP:
-        # The second Linear's weights, loaded by every program before the ticket: whichever program
-        # is last then has them at hand instead of starting a dependent load.
-        g = tl.arange(0, BG)
-        rr = tl.arange(0, RP)
-        wm = (g < G)[:, None] & (rr < R)[None, :]
-        w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
-        w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
-        b_exec = tl.load(bu + 2 * g, mask=g < G, other=0.0)
-        b_skip = tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
         tl.debug_barrier()  # every thread's z is stored before the ticket is taken (release)
         if tl.atomic_add(ticket, 1) == tl.num_programs(0) - 1:  # the last program: z is complete
             tl.atomic_xchg(ticket, 0)
