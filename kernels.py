@@ -19,9 +19,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels_base import LONG_K, check_device, config_for, empty, launch_args, num_sms, pdl_args, pow2_divisor, prior_done
+from kernels_base import LONG_K, check_device, config_for, empty, launch_args, pdl_args, pow2_divisor, prior_done
+from kernels_gemv import gemv_k, gemv_mn
 from kernels_layout import as_layout, flat_mask
-from policy import GEMV_MAX_TOKENS
+from policy import GEMV_K_MAX_TOKENS, GEMV_MAX_TOKENS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,158 +122,6 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, 
     tl.store(optr, acc.to(out.dtype.element_ty), mask=(p < M if ZERO else ok)[:, None])
 
 
-@triton.jit
-def _codes_f32(w, FP8: tl.constexpr):
-    # Weights as fp32. e4m3 codes go through f16: exact (every e4m3 value is an f16 value), and one hardware
-    # conversion per two codes, where a direct e4m3 -> fp32 (or -> bf16) conversion takes several instructions.
-    if FP8:
-        return w.to(tl.float16).to(tl.float32)
-    return w.to(tl.float32)
-
-
-@triton.jit
-def _gemv_group(lst, idx, ok, n_routed, G, HAS_LIVE: tl.constexpr):
-    # The group of live-list entry idx: the router's list holds the routed live groups only, the dense tail
-    # (groups G..) follows them; a list built here holds both.
-    if HAS_LIVE:
-        return tl.where(idx < n_routed, tl.load(lst + idx, mask=ok & (idx < n_routed), other=0), G + idx - n_routed)
-    return tl.load(lst + idx, mask=ok, other=0)
-
-
-@triton.jit
-def _gemv_block(x, w, w_up, lst, n_routed, G, step, end, t, M, K, KS, sxm, swn, GS: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr, HAS_LIVE: tl.constexpr):
-    # Loads of one step: chunk step // KS (BN rows of one live group), K slice step % KS.
-    chunk, k0 = step // KS, (step % KS) * BK
-    ok = (step + tl.zeros([BN], tl.int32)) < end
-    g = _gemv_group(lst, chunk * BN // GS + tl.zeros([BN], tl.int32), ok, n_routed, G, HAS_LIVE)  # [BN], all equal
-    g = tl.where(ok, g, 0)
-    n = g * GS + (chunk * BN) % GS + tl.arange(0, BN)
-    kk = k0 + tl.arange(0, BK)
-    kok = (kk < K)[None, :]
-    a = tl.load(x + t[:, None] * sxm + kk[None, :], mask=(t < M)[:, None] & kok, other=0.0)
-    b = tl.load(w + n[:, None] * swn + kk[None, :], mask=ok[:, None] & kok, other=0.0, eviction_policy="evict_first")
-    bu = b
-    if FUSED:
-        bu = tl.load(w_up + n[:, None] * swn + kk[None, :], mask=ok[:, None] & kok, other=0.0,
-                     eviction_policy="evict_first")
-    return a, b, bu, g, n
-
-
-@triton.jit
-def _gemv_mn_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, FUSED: tl.constexpr, FP8: tl.constexpr):
-    # A chunk's epilogue: fp8 scales, silu(gate) * up, the (token, group) outputs that skip set to 0.
-    if FP8:  # the per-output-channel scales, in fp32
-        res = res * tl.load(ws + n)[None, :]
-        if FUSED:
-            res_up = res_up * tl.load(wus + n)[None, :]
-    if FUSED:
-        res = res / (1.0 + tl.exp(-res)) * res_up
-    on = tl.load(mask + t[:, None] * G + g[None, :], mask=(t < M)[:, None] & (g < G)[None, :], other=1) > 0
-    tl.store(out + t[:, None] * som + n[None, :], tl.where(on, res, 0.0).to(out.dtype.element_ty),
-             mask=(t < M)[:, None])
-
-
-@triton.jit
-def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, part, tickets, M, N, K, G, GE, sxm, swn, som,
-                    GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-                    HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
-    """Decode gemm_mn (M <= BT tokens): the weight rows of groups no token runs are never read.
-
-    Grid (P,), persistent. The live groups (some token runs them) come from the router's live list
-    (HAS_LIVE: norm_route wrote it, so the programs start loading weights at once) or, without one, each
-    program lists them from the mask itself. The work is the live groups' steps, (BN-row chunk, BK slice)
-    in a flat order, shared out in equal runs of steps: every program streams the same weight bytes, so
-    the last wave has no stragglers. A chunk cut by a run boundary is finished by whichever of its two
-    programs comes second: each stores its fp32 partial, takes the boundary's ticket, and the second adds
-    the first's (two addends: the same sum whatever the order) and writes the chunk. The loop loads the
-    next step before using this one. One token: FMAs reduced every step; more tokens: tl.dot on a 16-row
-    tile. Inactive (token, group) outputs and the channels of dead groups are written as zeros. GE groups
-    after the G routed ones are always live (the dense tail: K and V after Q, one stream). FP8: w (and
-    w_up) hold e4m3 codes, half the bytes per step; the fp32 sums are multiplied by each row's scale (ws,
-    wus) in the epilogue, before the SwiGLU. PDL: see kernels_base.prior_done (the mask and the live list
-    are the previous kernel's). Twin: gemm_mn_ref.
-    """
-    prior_done(PDL)
-    pid, P = tl.program_id(0), tl.num_programs(0)
-    t = tl.arange(0, BT)
-    if HAS_LIVE:
-        # WIDE skip: the router's live list (groups some token of the step runs, ascending, then the dead
-        # ones); a dead group's weight rows are never read
-        n_routed = tl.load(live)
-        lst = live + 1
-    else:
-        gg = tl.arange(0, GP)
-        bits = tl.load(mask + t[:, None] * G + gg[None, :], mask=(t < M)[:, None] & (gg < G)[None, :],
-                       other=0).to(tl.int32)
-        # WIDE skip: the live-group list; a group no token of the step runs is never put on it, so its
-        # weight rows are never read (the dense tail, K and V after Q, is always live)
-        on = ((tl.max(bits, 0) > 0) | ((gg >= G) & (gg < G + GE))).to(tl.int32)
-        dead = tl.where(gg < G + GE, 1 - on, 0)
-        n_routed = tl.sum(on, 0) - GE
-        lst = live_list + pid * GP  # this program's list: live groups ascending, then dead ones
-        tl.store(lst + tl.cumsum(on, 0) - 1, gg, mask=on > 0)
-        tl.store(lst + n_routed + GE + tl.cumsum(dead, 0) - 1, gg, mask=dead > 0)
-        tl.debug_barrier()
-    KS = tl.cdiv(K, BK)
-    C = (n_routed + GE) * (GS // BN)  # live chunks
-    PW = tl.maximum(tl.minimum(P, C), 1)  # programs with work: each gets at least a chunk's worth of steps
-    S = C * KS
-    begin = tl.where(pid < PW, pid * S // PW, 0)
-    end = tl.where(pid < PW, (pid + 1) * S // PW, 0)
-    if BT == 1:
-        acc = tl.zeros([BN], tl.float32)
-        acc_up = tl.zeros([BN], tl.float32)
-    else:
-        acc = tl.zeros([BT, BN], tl.float32)
-        acc_up = tl.zeros([BT, BN], tl.float32)
-    a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_block(x, w, w_up, lst, n_routed, G, begin, end, t, M, K, KS, sxm, swn,
-                                               GS, BN, BK, FUSED, HAS_LIVE)
-    for step in range(begin, end):
-        a, b, bu, g, n = a_nx, b_nx, bu_nx, g_nx, n_nx
-        a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_block(x, w, w_up, lst, n_routed, G, step + 1, end, t, M, K, KS,
-                                                   sxm, swn, GS, BN, BK, FUSED, HAS_LIVE)
-        if BT == 1:
-            acc += tl.sum(_codes_f32(b, FP8) * a.to(tl.float32), 1)
-            if FUSED:
-                acc_up += tl.sum(_codes_f32(bu, FP8) * a.to(tl.float32), 1)
-        else:
-            acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc, input_precision="ieee" if IEEE else "tf32")
-            if FUSED:
-                acc_up = tl.dot(a, tl.trans(bu.to(a.dtype)), acc_up, input_precision="ieee" if IEEE else "tf32")
-        if (step % KS == KS - 1) | (step == end - 1):  # the chunk, or this program's part of it, is done
-            res = acc if BT > 1 else acc[None, :]
-            res_up = acc_up if BT > 1 else acc_up[None, :]
-            has_first = (step // KS) * KS >= begin  # this program summed the chunk's first K slice
-            if has_first & (step % KS == KS - 1):  # the whole chunk
-                _gemv_mn_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, FUSED, FP8)
-            else:
-                # Cut by a run boundary: pid's own start (this program has the chunk's end) or pid + 1's.
-                edge = tl.where(has_first, pid + 1, pid)
-                tb = t[:, None] * BN + tl.arange(0, BN)[None, :]
-                mine = part + (edge * 2 + tl.where(has_first, 0, 1)) * 2 * BT * BN
-                other = part + (edge * 2 + tl.where(has_first, 1, 0)) * 2 * BT * BN
-                tl.store(mine + tb, res)
-                tl.store(mine + BT * BN + tb, res_up)
-                tl.debug_barrier()  # this program's partial is stored before the ticket is taken (release)
-                if tl.atomic_add(tickets + edge, 1) == 1:  # second: the other part is stored
-                    tl.atomic_xchg(tickets + edge, 0)
-                    res += tl.load(other + tb, cache_modifier=".cg")
-                    res_up += tl.load(other + BT * BN + tb, cache_modifier=".cg")
-                    _gemv_mn_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, FUSED, FP8)
-            acc = acc * 0.0
-            acc_up = acc_up * 0.0
-    D = (G - n_routed) * (GS // BN)  # dead groups' chunks, shared out the same way: zeros only
-    dead_at = lst + n_routed  # where the list's dead groups start
-    if not HAS_LIVE:
-        dead_at += GE
-    for c in range(pid * D // P, (pid + 1) * D // P):
-        n = tl.load(dead_at + c * BN // GS) * GS + (c * BN) % GS + tl.arange(0, BN)
-        tl.store(out + t[:, None] * som + n[None, :], tl.zeros([BT, BN], out.dtype.element_ty),
-                 mask=(t < M)[:, None])
-
-
 def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, config=None, dense_tail=0,
             w_scale=None, w_up_scale=None, live=None, tickets=None):
     """Masked linear with output-channel groups: x[M,K], w[N,K], mask [M, N/group_size] -> [M,N].
@@ -310,26 +159,9 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     wus = w_up_scale.contiguous() if fp8 and fused else ws
     out = empty((M, N), x.dtype, x.device)
     ieee = x.dtype == torch.float32
-    if M <= GEMV_MAX_TOKENS:  # decode: GEMV straight from the mask
-        key = ("gemv_mn_1_fused" if fused else "gemv_mn_1") + ("_fp8" if fp8 else "") if M == 1 else "gemv_mn"
-        cfg = config_for(key, config)
-        m = flat_mask(mask_or_layout).view(torch.uint8)
-        P = cfg["programs_per_sm"] * num_sms(x.device)
-        GP = max(2, triton.next_power_of_2(G + GE))
-        BN = pow2_divisor(group_size, cfg["BN"])
-        BT = 1 if M == 1 else GEMV_MAX_TOKENS
-        assert live is None or live.numel() == 1 + G, "live: the router's count, then its G groups"
-        if tickets is None:
-            tickets = torch.zeros(P, dtype=torch.int32, device=x.device)
-        assert tickets.numel() >= P and tickets.dtype == torch.int32, "one int32 ticket per program"
-        # Lists built in the kernel (no router list), and the partial sums of the chunks cut between programs.
-        live_list = empty((P, GP) if live is None else (1,), torch.int32, x.device)
-        part = empty((P, 2, 2, BT, BN), torch.float32, x.device)
-        _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, m, m if live is None else live, live_list, part, tickets,
-                              M, N, K, G, GE, x.stride(0), w.stride(0), out.stride(0), GS=group_size, GP=GP,
-                              BT=BT, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8, IEEE=ieee, HAS_LIVE=live is not None,
-                              **launch_args(cfg), **pdl_args(x.device))
-        return out
+    if M <= GEMV_MAX_TOKENS:  # decode: the GEMV of kernels_gemv.py, straight from the mask or the live list
+        return gemv_mn(x, w, w_up, ws, wus, out, flat_mask(mask_or_layout).view(torch.uint8), group_size, G, GE,
+                       config=config, live=live, tickets=tickets)
     lay = as_layout(mask_or_layout)
     cfg = config_for("gemm_mn_fused" if fused else "gemm_mn", config)
     BN = pow2_divisor(group_size, cfg["BN"])
@@ -359,16 +191,12 @@ def _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
                  GS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
     # One BK slice of group g: a-rows of tokens that do not run g are predicated off
     # (intra-block skip; those slots are never read, so garbage there is harmless).
-    # BM == 1 (one token, config FMA): fp32 multiply-adds instead of a 16-row tensor-core tile, which
-    # would convert every weight (fp8 codes too) for 15 rows of padding.
     k0 = g * GS + step * BK
     kk = tl.arange(0, BK)
     on = tl.load(mask + rows * G + g, mask=rok, other=0) > 0
     at = tl.load(a + rows[:, None].to(tl.int64) * sam + k0 + kk[None, :], mask=on[:, None], other=0.0)
     wt = tl.load(w + cols[:, None].to(tl.int64) * swn + k0 + kk[None, :], mask=cok[:, None], other=0.0)
-    if BM == 1:
-        acc += tl.sum(_codes_f32(wt, F16 > 0) * at.to(tl.float32), 1)[None, :]
-    elif F16 == 2:  # fp8 codes and activations as f16 (exact for bf16 values within f16's range, |a| < 65504)
+    if F16 == 2:  # fp8 codes and activations as f16 (exact for bf16 values within f16's range, |a| < 65504)
         acc = tl.dot(at.to(tl.float16), tl.trans(wt.to(tl.float16)), acc)
     elif F16 == 1:  # fp8 codes -> f16 (exact, and one conversion per two codes) -> the activations' dtype (exact)
         acc = tl.dot(at, tl.trans(wt.to(tl.float16).to(at.dtype)), acc, input_precision="ieee" if IEEE else "tf32")
@@ -494,8 +322,9 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     """Masked linear with reduction groups: a[M,K], w[N,K], mask [M, K/group_size] -> [M,N].
 
     residual [M, N]: return residual + (that result), the add fused into the kernel ("tile" only).
-    tickets: int32 zeros, one per output tile, for the decode split (the kernel leaves them zero, so a
-    CUDA graph can replay it; an engine keeps one buffer); None allocates them.
+    tickets: int32 zeros, one per output tile of the decode split (one token: one per chunk of
+    kernels_gemv.gemv_k); the kernels leave them zero, so a CUDA graph can replay them and an engine keeps
+    one buffer; None allocates them.
     w_scale [N]: w is float8_e4m3fn with these per-row scales ("tile" reads the fp8 bytes at any M;
     "atomic" dequantizes first).
     live: the router's live list of this mask (kernels_step.norm_route), int32 [1 + G]; a decode step's
@@ -529,14 +358,17 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
                                     IEEE=ieee, **launch_args(cfg))
         return out32.to(a.dtype) if residual is None else residual + out32.to(a.dtype)
     assert method in ("tile", "atomic"), "method must be 'tile' or 'atomic'"
+    m = flat_mask(mask_or_layout).view(torch.uint8)
+    if M <= GEMV_K_MAX_TOKENS:  # one token: kernels_gemv.py's GEMV over the live groups' columns
+        return gemv_k(a, w, w_scale, empty((M, N), a.dtype, a.device),
+                      residual.contiguous() if residual is not None else None, m, group_size, config, live, tickets)
     small = ("gemm_k_small_long_k" if K >= LONG_K else "gemm_k_small") + ("_fp8" if w_scale is not None else "")
     cfg = config_for(small if M <= GEMV_MAX_TOKENS else "gemm_k", config)
     split = cfg.get("SPLIT", 1)
-    BM = 1 if M == 1 and cfg.get("FMA") else cfg["BM"]  # FMA: one token as a one-row tile, no tl.dot
+    BM = cfg["BM"]
     out = empty((M, N), a.dtype, a.device)
     # With SPLIT > 1 the programs write fp32 partials over the live groups; the last one reduces them.
     part = empty((split, M, N), torch.float32, a.device) if split > 1 else out
-    m = flat_mask(mask_or_layout).view(torch.uint8)
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, cfg["BN"]), split)
     if tickets is None:
         tickets = torch.zeros(grid[0], dtype=torch.int32, device=a.device)

@@ -23,7 +23,7 @@ Where to look for the rest:
               `masks` dict of Transformer.forward; skip_rates and last_width read that dict.
   kernels_layout.py  "The line that builds the layout" (mask reordering: each group's live tokens
               made contiguous).
-  kernels.py, kernels_attention.py  the lines marked "WIDE skip:", where skipped work is never done:
+  kernels.py, kernels_gemv.py, kernels_attention.py  the lines marked "WIDE skip:", where skipped work is never done:
               the decode GEMV's live-group list (gemm_mn reads only the weight rows of groups some token
               of the step runs), gemm_k's live groups (only their weight columns are read), the dead-tile
               exits of gemm_mn and prefill attention (a tile no token of its group runs returns before

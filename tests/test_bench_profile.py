@@ -20,8 +20,8 @@ def step(kernels, t=0.0, dur=8.0, gap=2.0):
 
 
 def layer_b1():  # decode B1: every pruned op in Triton
-    return ["_norm_route_kernel", "_gemv_mn_kernel", "_rope_kernel", "_attn_decode_kernel", "_gemm_k_kernel",
-            "_norm_route_kernel", "_gemv_mn_kernel", "_gemm_k_kernel"]
+    return ["_norm_route_kernel", "_gemv_mn_kernel", "_rope_kernel", "_attn_decode_kernel", "_gemv_k_kernel",
+            "_norm_route_kernel", "_gemv_mn_kernel", "_gemv_k_kernel"]
 
 
 def test_triton_kernels_go_to_the_op_that_launches_them_in_order():

@@ -22,8 +22,9 @@ What is pinned (GS = 16 channels per group; "live" = some token of the step, or 
   gemm_mn, decode GEMV (M <= 16): each weight row (and fp8 scale) of a live group or of the dense tail
       is read exactly once, also when runs of steps cut a chunk between two programs and when the groups
       come from the router's live list; a dead group's rows never.
-  gemm_k (decode with its split, short and long K; and the token tiles): group g's weight columns are
-      read once per token tile in which g is live, never otherwise; a pruned a-slot is never read.
+  gemm_k (one token's gemv_k, whose runs may cut chunks; a few tokens' split tile, short and long K; the
+      token tiles): group g's weight columns are read once per token tile in which g is live, never
+      otherwise; a pruned a-slot is never read.
   attention_prefill: q[b, h, t] is read once if token t runs h's group, else never; the K/V of
       (b, KV head) are read up to the last active token of its query heads, and not at all if none is.
   attention_decode: K/V[b, KV head, pos] is read once if some query head of that KV head runs and
@@ -45,6 +46,7 @@ import kernels_attention
 import kernels_base
 import kernels_layout
 import kernels_step
+from policy import GEMV_K_MAX_TOKENS
 
 pytestmark = pytest.mark.skipif(not kernels_base.INTERPRET, reason="reads are recorded through the Triton interpreter")
 
@@ -258,11 +260,14 @@ def test_decode_gemm_k_never_reads_the_weight_columns_of_a_group_no_token_runs(k
     mask = step_mask(kind, M, G)
     w, ws = weight(fmt, N, K)
     live = kernels_step.live_ref(mask) if source == "router's list" else None
+    # One token: gemv_k, here on 10 programs whose runs cut chunks; a few tokens: the decode tile's split.
+    cfg = dict(programs_per_sm=5) if M <= GEMV_K_MAX_TOKENS else None
     with recorded_loads() as rec:
-        kernels.gemm_k(randn(M, K), w, mask, GS, w_scale=ws, live=live)
-    # The split programs share a tile's live groups out: each live group's columns are read exactly once.
-    assert torch.equal(rec.reads("_gemm_k_kernel", "w"), per_column(mask.any(0).long(), N))
-    a_read = rec.reads("_gemm_k_kernel", "a") > 0
+        kernels.gemm_k(randn(M, K), w, mask, GS, w_scale=ws, live=live, config=cfg)
+    # Each live group's columns are read exactly once, however the work is shared out.
+    kernel = "_gemv_k_kernel" if M <= GEMV_K_MAX_TOKENS else "_gemm_k_kernel"
+    assert torch.equal(rec.reads(kernel, "w"), per_column(mask.any(0).long(), N))
+    a_read = rec.reads(kernel, "a") > 0
     assert torch.equal(a_read, mask.repeat_interleave(GS, 1)), "a pruned a-slot is never read, a live one is"
 
 
