@@ -129,9 +129,11 @@ class Engine:
                                             down=kernels.quantize_fp8(layer.mlp.down_proj.weight))
                             for layer in model.layers for wqkv, wgu in [self.fused[id(layer)]]}
         device = model.embed_tokens.weight.device
-        # Zeroed counters the kernels take tickets from and leave zero again (norm_route; gemm_k's split).
-        self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
-        self.tickets = torch.zeros(4096, dtype=torch.int32, device=device)
+        # Zeroed counters the kernels take tickets from and leave zero again (norm_route's token tiles, the
+        # decode GEMVs' chunks, gemm_k's split, decode attention's merge); kernels on one stream run one after
+        # another, so one buffer serves them all. A decode GEMV has at most one chunk per output row.
+        rows = max(max(w.shape[0] for w in self.fused[id(layer)]) for layer in model.layers)
+        self.tickets = torch.zeros(max(4096, rows), dtype=torch.int32, device=device)
         self.plans = {}  # (Shape, routers) -> Plan: a step's plan is computed once per shape
         self.constant_masks = {}  # (M, G) -> an all-True mask, for the dense model's ops through WIDE's kernels
 
@@ -235,7 +237,7 @@ class Engine:
                 masks.setdefault(kind, []).append(x.new_ones(*x.shape[:-1], router.n_groups, dtype=torch.float32))
             return rms_norm(x, norm, residual), None, None
         if op.kind == "norm_route":
-            normed, keep, keepf, live = norm_route(x, norm, router, residual, self.ticket)
+            normed, keep, keepf, live = norm_route(x, norm, router, residual, self.tickets)
         else:  # "norm_then_router"
             normed = rms_norm(x, norm, residual)
             keepf = router(x if residual is None else normed[0])  # at inference exactly 0 or 1
@@ -371,7 +373,7 @@ class Engine:
         # Made once per shape: a fill kernel per call would sit between the step's Triton launches (and in
         # its CUDA graph), where it costs a launch and breaks their overlap (kernels_base.pdl).
         if (M, G) not in self.constant_masks:
-            self.constant_masks[M, G] = torch.ones(M, G, dtype=torch.bool, device=self.ticket.device)
+            self.constant_masks[M, G] = torch.ones(M, G, dtype=torch.bool, device=self.tickets.device)
         return self.constant_masks[M, G]
 
 

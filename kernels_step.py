@@ -1,7 +1,7 @@
 """
 The small fused kernels of an inference step (engine.py), each after its PyTorch twin:
 
-  norm_route      residual add + RMSNorm + the wide.Router decision, one launch per sublayer
+  norm_route      residual add + RMSNorm + the wide.Router decision (and the live list), one launch per sublayer
   rms_norm        RMSNorm (with the residual add) where there is no router
   rope_and_store  RoPE on q and k, and k, v written into the static KV cache at each token's slot
 
@@ -14,7 +14,7 @@ import triton.language as tl
 
 from kernels_base import INTERPRET, check_device, empty, pdl_args, prior_done
 from model import apply_rope
-from policy import ROUTER_UP_FUSED_MAX_TOKENS
+from policy import NORM_ROUTE_TILE
 
 
 def rms_norm_ref(x, norm, residual=None):
@@ -141,14 +141,14 @@ def norm_route_ref(x, norm, router, residual=None):
     return (normed, *route_ref(router, x if residual is None else normed[0]))
 
 
-def norm_route(x, norm, router, residual=None, ticket=None, ranks_per_program=None):
-    """The start of a sublayer for the few tokens of a step, in one launch: h = residual + x (if given),
+def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=None):
+    """The start of a sublayer for the tokens of a step, in one launch: h = residual + x (if given),
     RMSNorm(h), and the wide.Router decision on the raw h. Returns (normed, keep bool, keep float, live) with
     normed = norm(x), or (h, norm(h)) with a residual; masks [B, T, G]. live: the step's live list, int32
     [1 + G] (the number of groups some token runs, those groups ascending, then the others), which the
-    decode kernels read instead of scanning the mask; None where the second Linear runs apart (many tokens).
-    ticket: an int32 counter that is zero between launches (the kernel leaves it zero, so a CUDA graph
-    can replay it); launches on one stream run one after another, so an engine needs only one."""
+    decode kernels read instead of scanning the mask; None for a step of more than one token tile.
+    tickets: int32 zeros, one per tile of NORM_ROUTE_TILE tokens (the kernel leaves them zero, so a CUDA
+    graph can replay it; launches on one stream run one after another, so an engine needs one buffer)."""
     check_device(x)
     B, T, D = x.shape
     M = B * T
@@ -162,50 +162,44 @@ def norm_route(x, norm, router, residual=None, ticket=None, ranks_per_program=No
     keep = empty((M, G), torch.uint8, x.device)
     keepf = empty((M, G), torch.float32, x.device)
     live = empty((1 + G,), torch.int32, x.device)
-    ticket = torch.zeros(1, dtype=torch.int32, device=x.device) if ticket is None else ticket
-    BT = max(2, triton.next_power_of_2(M))
+    BT = max(2, triton.next_power_of_2(min(M, NORM_ROUTE_TILE)))
+    n_tiles = triton.cdiv(M, BT)
+    tickets = torch.zeros(n_tiles, dtype=torch.int32, device=x.device) if tickets is None else tickets
+    assert tickets.numel() >= n_tiles and tickets.dtype == torch.int32, "one int32 ticket per token tile"
     # One router rank per program on a GPU; the interpreter pays per program, so one program there,
     # unless a test asks for several (the ticket hand-over only happens between programs).
     RB = ranks_per_program or (triton.next_power_of_2(R) if INTERPRET else 1)
     RP, BG = triton.next_power_of_2(R), max(2, triton.next_power_of_2(G))
-    # A few tokens: the second Linear in the same launch (its last program goes token by token). More
-    # tokens (batched decode): a second, token-parallel launch is faster than that serial tail.
-    up_here = M <= ROUTER_UP_FUSED_MAX_TOKENS
     P = triton.cdiv(R, RB)
     CW = triton.cdiv(D, P)  # the columns of h / RMSNorm(h) each program writes
     BK = min(triton.next_power_of_2(D), max(16, 8192 // BT))
-    _norm_route_kernel[(P,)](
-        x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, z, up.weight, up.bias, keep, keepf, live, ticket,
-        M, D, R, G, CW, HAS_RES=residual is not None, UP=up_here, BT=BT, RB=RB,
+    _norm_route_kernel[(P, n_tiles)](
+        x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, z, up.weight, up.bias, keep, keepf, live, tickets,
+        M, D, R, G, CW, HAS_RES=residual is not None, LIVE=n_tiles == 1, BT=BT, RB=RB,
         BK=BK, RP=RP, BG=BG, CWP=triton.next_power_of_2(CW), ONE_PASS=BK >= D,
         num_warps=8, **pdl_args(x.device))  # wide chunks: the loop over D is latency-bound, so few long iterations
-    if not up_here:
-        TB, BGU = (BT, BG) if INTERPRET else (1, min(64, BG))
-        _router_up_kernel[(triton.cdiv(M, TB), triton.cdiv(G, BGU))](z, up.weight, up.bias, keep, keepf, M, G, R,
-                                                                     TB=TB, RP=RP, BG=BGU, num_warps=4,
-                                                                     **pdl_args(x.device))
     normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
-    return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), live if up_here else None
+    return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), live if n_tiles == 1 else None
 
 
 @triton.jit
-def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, live, ticket, M, D, R, G,
-                       CW, HAS_RES: tl.constexpr, UP: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
+def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, live, tickets, M, D, R, G,
+                       CW, HAS_RES: tl.constexpr, LIVE: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
                        BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr, CWP: tl.constexpr, ONE_PASS: tl.constexpr,
                        PDL: tl.constexpr):
-    """Residual add + RMSNorm + router for the M <= BT tokens of a step. Grid (cdiv(R, RB),).
+    """Residual add + RMSNorm + router for a tile of BT tokens. Grid (cdiv(R, RB), token tiles).
 
-    Every program forms h = res + x (rounded to the model dtype as `x + a` is) and the router's first
-    Linear for its RB ranks, z = h @ wd[r] + bd[r] in fp32, and writes h and RMSNorm(h) for its share of
-    the columns. The
-    last program to take a ticket (the others' z are then visible) applies the second Linear and the
-    rule of wide.Router: skip iff z_skip > z_exec, a tie executes, and writes the step's live list (the
-    groups some token runs, ascending, after their count; then the others); it resets the ticket. Deterministic:
-    each z is one program's fixed-order sum, and one program does the rest. UP=False leaves the
-    second Linear to _router_up_kernel (many tokens). Under PDL the router's weights (nothing a kernel
-    writes) are loaded before the wait, so their latency hides behind the previous kernel's last programs
-    (ONE_PASS: the first Linear's rows fit one pass over D). Skips nothing. Twin: norm_route_ref."""
-    pid = tl.program_id(0)
+    Every program forms h = res + x for its tile's tokens (rounded to the model dtype as `x + a` is) and
+    the router's first Linear for its RB ranks, z = h @ wd[r] + bd[r] in fp32, and writes h and RMSNorm(h)
+    for its share of the columns. The last of a tile's programs to take the tile's ticket (the others' z
+    are then visible) applies the second Linear and the rule of wide.Router, token by token: skip iff
+    z_skip > z_exec, a tie executes; with one tile for the whole step (LIVE) it also writes the step's live
+    list (the groups some token runs, ascending, after their count; then the others). It resets the
+    ticket. Deterministic: each z is one program's fixed-order sum, and one program does the rest of a
+    token. Under PDL the router's weights (nothing a kernel writes) are loaded before the wait, so their
+    latency hides behind the previous kernel's last programs (ONE_PASS: the first Linear's rows fit one
+    pass over D). Skips nothing. Twin: norm_route_ref."""
+    pid, tile = tl.program_id(0), tl.program_id(1)
     r = pid * RB + tl.arange(0, RB)
     kk = tl.arange(0, BK)
     if ONE_PASS:
@@ -214,18 +208,17 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
     c = pid * CW + tl.arange(0, CWP)  # the columns of h and RMSNorm(h) this program writes
     cok = (c < D) & (c < pid * CW + CW)
     wt = tl.load(nw + c, mask=cok, other=0.0)
-    if UP:
-        # The second Linear's weights, loaded by every program: whichever program is last then has them
-        # at hand instead of starting a dependent load.
-        g = tl.arange(0, BG)
-        rr = tl.arange(0, RP)
-        wm = (g < G)[:, None] & (rr < R)[None, :]
-        w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
-        w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
-        b_exec = tl.load(bu + 2 * g, mask=g < G, other=0.0)
-        b_skip = tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
+    # The second Linear's weights, loaded by every program: whichever program is last then has them at
+    # hand instead of starting a dependent load.
+    g = tl.arange(0, BG)
+    rr = tl.arange(0, RP)
+    wm = (g < G)[:, None] & (rr < R)[None, :]
+    w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
+    w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+    b_exec = tl.load(bu + 2 * g, mask=g < G, other=0.0)
+    b_skip = tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
     prior_done(PDL)
-    t = tl.arange(0, BT)
+    t = tile * BT + tl.arange(0, BT)
     tok = t < M
     acc = tl.zeros([BT, RB, BK], tl.float32)
     ss = tl.zeros([BT], tl.float32)
@@ -245,7 +238,7 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
         acc += hf[:, None, :] * w[None, :, :]
     zt = tl.sum(acc, 2) + bias[None, :]
     tl.store(z + t[:, None] * R + r[None, :], zt, mask=tok[:, None] & (r < R)[None, :])
-    # h and RMSNorm(h) for this program's slice of CW columns (every program has the row sums of
+    # h and RMSNorm(h) for this program's slice of CW columns (every program has its tokens' sums of
     # squares), so the write-out is spread over the grid instead of one program's serial loop.
     ok = tok[:, None] & cok[None, :]
     offs = t[:, None].to(tl.int64) * D + c[None, :]
@@ -255,17 +248,17 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
         tl.store(h_out + offs, hv, mask=ok)
     n = (hv.to(tl.float32) * tl.rsqrt(ss / D + eps)[:, None]).to(hv.dtype)
     tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
-    if UP:
-        tl.debug_barrier()  # every thread's z is stored before the ticket is taken (release)
-        if tl.atomic_add(ticket, 1) == tl.num_programs(0) - 1:  # the last program: z is complete
-            tl.atomic_xchg(ticket, 0)
-            any_run = tl.zeros([BG], tl.int32)
-            for m in range(0, M):
-                zr = tl.load(z + m * R + rr, mask=rr < R, other=0.0, cache_modifier=".cg")[None, :]
-                run = tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec  # a tie executes
-                tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
-                tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)
-                any_run = any_run | run.to(tl.int32)
+    tl.debug_barrier()  # every thread's z is stored before the ticket is taken (release)
+    if tl.atomic_add(tickets + tile, 1) == tl.num_programs(0) - 1:  # the tile's last program: its z is complete
+        tl.atomic_xchg(tickets + tile, 0)
+        any_run = tl.zeros([BG], tl.int32)
+        for m in range(tile * BT, tl.minimum(tile * BT + BT, M)):
+            zr = tl.load(z + m * R + rr, mask=rr < R, other=0.0, cache_modifier=".cg")[None, :]
+            run = tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec  # a tie executes
+            tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
+            tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)
+            any_run = any_run | run.to(tl.int32)
+        if LIVE:
             # WIDE skip: the live list, built once per router decision; the decode GEMVs stream only its groups
             on = tl.where(g < G, any_run, 0)
             off = tl.where(g < G, 1 - any_run, 0)
@@ -273,26 +266,3 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
             tl.store(live, n_live)
             tl.store(live + 1 + tl.cumsum(on, 0) - 1, g, mask=on > 0)
             tl.store(live + 1 + n_live + tl.cumsum(off, 0) - 1, g, mask=off > 0)
-
-
-@triton.jit
-def _router_up_kernel(z, wu, bu, keep, keepf, M, G, R, TB: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr,
-                      PDL: tl.constexpr):
-    """The router's second Linear and rule for many tokens at once (norm_route with UP=False): the
-    (execute, skip) logit pair of each group, skip iff z_skip > z_exec (a tie executes).
-    Grid (cdiv(M, TB), cdiv(G, BG)). Twin: norm_route_ref."""
-    prior_done(PDL)
-    t = (tl.program_id(0) * TB + tl.arange(0, TB))[:, None, None]
-    g = (tl.program_id(1) * BG + tl.arange(0, BG))[None, :, None]
-    r = tl.arange(0, RP)[None, None, :]
-    zr = tl.load(z + t * R + r, mask=(t < M) & (r < R), other=0.0)
-    wm = (g < G) & (r < R)
-    z_exec = tl.sum(tl.load(wu + (2 * g) * R + r, mask=wm, other=0.0) * zr, 2)
-    z_skip = tl.sum(tl.load(wu + (2 * g + 1) * R + r, mask=wm, other=0.0) * zr, 2)
-    t, g = tl.sum(t, 2), tl.sum(g, 2)  # [TB, 1], [1, BG]
-    ok = (t < M) & (g < G)
-    z_exec += tl.load(bu + 2 * g, mask=g < G, other=0.0)
-    z_skip += tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
-    run = z_skip <= z_exec  # the inference rule; a tie executes
-    tl.store(keep + t * G + g, run.to(tl.uint8), mask=ok)
-    tl.store(keepf + t * G + g, run.to(tl.float32), mask=ok)

@@ -17,8 +17,8 @@ from typing import NamedTuple
 GEMV_MAX_TOKENS = 16  # gemm_mn / gemm_k: at most this many tokens run the decode GEMV (mask read directly,
                       # no layout; the only path that reads fp8 codes); more run token tiles
 GEMV_K_MAX_TOKENS = 1  # gemm_k: one token runs kernels_gemv's gemv_k (equal runs over the live columns)
-ROUTER_UP_FUSED_MAX_TOKENS = 4  # norm_route: at most this many tokens run the router's second Linear in
-                                # the same launch; more add one router_up launch
+NORM_ROUTE_TILE = 4  # norm_route: tokens per program; each tile's last program applies the router's second
+                     # Linear token by token, and a step of one tile also gets its live list
 
 
 class Shape(NamedTuple):
@@ -147,8 +147,7 @@ class Policy:
         if router is None:
             return Op("norm", "Triton", kernels=("rms_norm_kernel",))
         if router == "wide" and shape.tokens <= self.router_max_tokens:
-            up = ("router_up_kernel",) if shape.tokens > ROUTER_UP_FUSED_MAX_TOKENS else ()
-            return Op("norm_route", "Triton", kernels=("norm_route_kernel",) + up)
+            return Op("norm_route", "Triton", kernels=("norm_route_kernel",))
         return Op("norm_then_router", "Triton + torch", kernels=("rms_norm_kernel",))
 
     def qkv_op(self, shape, router, w):
