@@ -17,7 +17,8 @@ import kernels
 from bench import common
 from kernels_attention import attention_decode, attention_decode_ref, attention_prefill, attention_prefill_ref
 from kernels_layout import layout
-from policy import GEMV_MAX_TOKENS
+from kernels_step import live_ref
+from policy import GEMV_MAX_TOKENS, NORM_ROUTE_TILE
 
 DECODE_TOKENS = GEMV_MAX_TOKENS      # rows with at most this many tokens are decode-sized: judged on graphs
 
@@ -121,6 +122,21 @@ def with_layout(mask, config, tokens):
     return mask, config
 
 
+def router_lists(T):
+    """mask -> what the decode kernels read in the engine besides the mask: norm_route's live list of it, for a
+    step of one token tile (else None). The router kernel writes it, so its time is the router's (the step
+    profile's norm + router rows); here each mask's list is made once, outside the timed calls."""
+    made = {}  # id(mask) -> (mask, list); holding the mask keeps its id from being reused
+
+    def live(mask):
+        if T > NORM_ROUTE_TILE:
+            return None
+        if id(mask) not in made:
+            made[id(mask)] = (mask, live_ref(mask))
+        return made[id(mask)][1]
+    return live
+
+
 def swiglu(y):
     half = y.shape[-1] // 2
     return F.silu(y[:, :half]) * y[:, half:]
@@ -138,12 +154,14 @@ def case_gate_up(s, T, fp8=False):
     wgu = weights(s, 2 * I, D, copies)  # the dense side's fused [gate; up] weight; WIDE reads its halves
     wq = fp8_copies(wgu, fp8)
     x = torch.randn(T, D, device=s.device, dtype=s.dtype)
+    tickets = torch.zeros(I, dtype=torch.int32, device=s.device)  # the engine's one zeroed buffer
+    lives = router_lists(T)
 
     def sparse(mask, i, config=None):
         m, cfg = with_layout(mask, config, T)
         (w, sc) = wq[i]
         return kernels.gemm_mn(x, w[:I], m, gs, w_up=w[I:], config=cfg, w_scale=None if sc is None else sc[:I],
-                               w_up_scale=None if sc is None else sc[I:])
+                               w_up_scale=None if sc is None else sc[I:], live=lives(mask), tickets=tickets)
 
     def reference(mask):  # fp8: the twin dequantizes (to x's fp32)
         w, sc = wq[0]
@@ -171,13 +189,16 @@ def case_q(s, T, with_kv, fp8=False):
     wq = fp8_copies(w, fp8)
     x = torch.randn(T, D, device=s.device, dtype=s.dtype)
     assert not fp8 or (with_kv and T <= GEMV_MAX_TOKENS), "fp8: the decode stream (Q with K/V) only"
+    tickets = torch.zeros(N, dtype=torch.int32, device=s.device)
+    lives = router_lists(T)
 
     def sparse(mask, i, config=None):
         m, cfg = with_layout(mask, config, T)
         if with_kv and T <= GEMV_MAX_TOKENS:  # decode: one stream, K/V as always-live groups (engine.py)
-            qkv = kernels.gemm_mn(x, wq[i][0], m, gs, config=cfg, dense_tail=N - NQ, w_scale=wq[i][1])
+            qkv = kernels.gemm_mn(x, wq[i][0], m, gs, config=cfg, dense_tail=N - NQ, w_scale=wq[i][1],
+                                  live=lives(mask), tickets=tickets)
             return qkv[:, :NQ], qkv[:, NQ:]
-        q = kernels.gemm_mn(x, w[i][:NQ], m, gs, config=cfg)
+        q = kernels.gemm_mn(x, w[i][:NQ], m, gs, config=cfg, live=lives(mask), tickets=tickets)
         return (q, F.linear(x, w[i][NQ:])) if with_kv else q
 
     def reference(mask):
@@ -200,10 +221,14 @@ def case_k(s, T, K, gs, name, method="tile", fp8=False):
     w = weights(s, D, K, copies)
     wq = fp8_copies(w, fp8)
     a = torch.randn(T, K, device=s.device, dtype=s.dtype)
+    tickets = torch.zeros(D, dtype=torch.int32, device=s.device)
+    lives = router_lists(T)
 
     def sparse(mask, i, config=None):
         m, cfg = with_layout(mask, config, T) if method == "atomic" else (mask, config)
-        return kernels.gemm_k(a, wq[i][0], m, gs, method=method, config=cfg, w_scale=wq[i][1])
+        live = lives(mask) if method == "tile" else None
+        return kernels.gemm_k(a, wq[i][0], m, gs, method=method, config=cfg, w_scale=wq[i][1], live=live,
+                              tickets=tickets)
 
     return Case(f"{name} (gemm_k, {gs}-ch groups, {method})", T, 1, 0, (T, K // gs), 2 * T * D * K, nbytes,
                 D * K * e / nbytes, copies, dense={"dense": [lambda i=i: F.linear(a, w[i]) for i in range(copies)]},
