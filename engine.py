@@ -3,8 +3,8 @@ The Triton inference path: the model of model.py (and the routers of wide.py), r
 every skipped group is never done. A one-token decode step, layer by layer (policy.py plans every shape):
 
     x ─► norm_route: residual add + RMSNorm + the attention router, one kernel ─► head_mask
-      ─► gemm_mn's decode GEMV: Q's live groups, then K and V as its dense tail, one weight stream
-      ─► RoPE + KV-cache write ─► decode attention over the live KV heads ─► gemm_k: O, + residual
+      ─► gemm_mn's decode GEMV: Q's live groups, then K and V as its dense tail, one weight stream; RoPE and
+         the KV-cache write in its epilogue ─► decode attention over the live KV heads ─► gemm_k: O, + residual
       ─► norm_route (FFN router) ─► gemm_mn: gate+up, live groups, silu(gate)*up ─► gemm_k: down, + residual
 
 `select(model, backend)` is the one switch: "torch" returns the model itself (the reference), "triton" an
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import cli
 import kernels
+import kernels_gemv
 from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
@@ -273,29 +274,34 @@ class Engine:
         if "attn_layout" in ops:
             # The layout (mask reordering), built once per router decision: Q proj and attention share it.
             lay = layout(head_mask)
+        if attn.kv_cache is not None:  # K/V are never pruned: the static cache stays complete
+            kc, vc = attn.kv_cache.k_cache, attn.kv_cache.v_cache
+        else:
+            kc, vc = (torch.empty(B, Hkv, T, d, dtype=x.dtype, device=x.device) for _ in range(2))
         op = ops["qkv"]
         wqkv, s8 = self.linear_weights(layer, "qkv", op)
+        # The decode GEMV does RoPE and the KV-cache write in its epilogue (the plan has no separate rope op).
+        rope = None if "rope" in ops else kernels_gemv.Rope(step.cos, step.sin, step.slot, kc, vc, nq, Hkv * d, T)
         if op.kind == "gemv":
             # Q's live groups, then K and V (never pruned), as one weight stream in one launch.
             qkv = kernels.gemm_mn(x2, wqkv, mask, gs, dense_tail=wqkv.shape[0] - nq, w_scale=s8, live=head_live,
-                                  tickets=self.tickets)
+                                  tickets=self.tickets, rope=rope)
         elif op.kind == "gemv_all":  # every row as the dense tail: mask [M, 0]
-            qkv = kernels.gemm_mn(x2, wqkv, self.no_groups(M), dense_group(wqkv.shape[0]),
-                                  dense_tail=wqkv.shape[0], w_scale=s8, tickets=self.tickets)
+            qkv = kernels.gemm_mn(x2, wqkv, self.no_groups(M), pow2_divisor(wqkv.shape[0], max(128, d)),
+                                  dense_tail=wqkv.shape[0], w_scale=s8, tickets=self.tickets, rope=rope)
         elif op.kind == "tiles":
             # Q proj, live groups only; pruned slots stay unwritten (attention never reads them).
             q = kernels.gemm_mn(x2, wqkv[:nq], lay, gs, zero_pruned=False)
             kv = F.linear(x2, wqkv[nq:])  # K and V in one GEMM: never pruned
         else:  # "cublas", "cublas_every_head": Q, K, V in one GEMM
             qkv = F.linear(x2, wqkv)
-        if op.kind != "tiles":
-            q, kv = qkv[:, :nq], qkv[:, nq:]
-        k, v = kv[:, :Hkv * d], kv[:, Hkv * d:]
-        if attn.kv_cache is not None:  # K/V are never pruned: the static cache stays complete
-            kc, vc = attn.kv_cache.k_cache, attn.kv_cache.v_cache
+        if rope is not None:  # qkv is Q, rotated; K and V are in the cache
+            q = qkv.view(B, T, H, d).transpose(1, 2)
         else:
-            kc, vc = (torch.empty(B, Hkv, T, d, dtype=x.dtype, device=x.device) for _ in range(2))
-        q = rope_and_store(q, k, v, step, kc, vc, H, Hkv, d).view(B, T, H, d).transpose(1, 2)
+            if op.kind != "tiles":
+                q, kv = qkv[:, :nq], qkv[:, nq:]
+            k, v = kv[:, :Hkv * d], kv[:, Hkv * d:]
+            q = rope_and_store(q, k, v, step, kc, vc, H, Hkv, d).view(B, T, H, d).transpose(1, 2)
         kind, S = ops["attention"].kind, step.start  # a prefill chunk at `start` sees the start + T keys before it
         if kind == "decode_live":
             y = attention_decode(q, kc, vc, mask, step.kv_len, tickets=self.tickets)  # skips idle KV heads

@@ -123,7 +123,7 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, 
 
 
 def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, config=None, dense_tail=0,
-            w_scale=None, w_up_scale=None, live=None, tickets=None):
+            w_scale=None, w_up_scale=None, live=None, tickets=None, rope=None):
     """Masked linear with output-channel groups: x[M,K], w[N,K], mask [M, N/group_size] -> [M,N].
 
     With w_up it is the fused SwiGLU input silu(x @ w.T) * (x @ w_up.T) (w = gate).
@@ -139,6 +139,8 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     some token runs, then those groups ascending, then the others; the decode GEMV reads it instead of
     listing the groups itself. tickets: int32 zeros, one per program, for the chunks cut between two of the
     GEMV's programs (the kernel leaves them zero, so a CUDA graph can replay it); None allocates them.
+    rope (kernels_gemv.Rope, decode GEMV only): w is [Q; K; V]; RoPE and the KV-cache write happen in the
+    kernel's epilogue and the result is Q alone, rotated.
     """
     check_device(x)
     M, K = x.shape
@@ -161,7 +163,8 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     ieee = x.dtype == torch.float32
     if M <= GEMV_MAX_TOKENS:  # decode: the GEMV of kernels_gemv.py, straight from the mask or the live list
         return gemv_mn(x, w, w_up, ws, wus, out, flat_mask(mask_or_layout).view(torch.uint8), group_size, G, GE,
-                       config=config, live=live, tickets=tickets)
+                       config=config, live=live, tickets=tickets, rope=rope)
+    assert rope is None, "rope: the decode GEMV only"
     lay = as_layout(mask_or_layout)
     cfg = config_for("gemm_mn_fused" if fused else "gemm_mn", config)
     BN = pow2_divisor(group_size, cfg["BN"])

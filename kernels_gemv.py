@@ -1,7 +1,8 @@
 """
 The decode GEMVs: a step of a few tokens streams the weights of its live groups, and nothing else.
 
-  gemv_mn(x[M,K], w[N,K], mask, group_size)  Q (K and V as its dense tail); gate+up with silu(gate)*up
+  gemv_mn(x[M,K], w[N,K], mask, group_size)  Q (K and V as its dense tail, RoPE and the cache write in its
+                                             epilogue); gate+up with silu(gate)*up
   gemv_k(a[1,K], w[N,K], mask, group_size)   O, down for one token: only the live groups' weight columns
 kernels.gemm_mn and kernels.gemm_k call them for decode-sized steps; their twins are kernels.gemm_mn_ref and
 kernels.gemm_k_ref. Both kernels share one schedule. The work is a flat list of steps, (chunk of BN output
@@ -12,11 +13,14 @@ the last sums the shares in program order (so the result does not depend on who 
 The live groups come from the router's live list (kernels_step.norm_route writes it once per decision), so
 programs start streaming at once; without one, each program lists them from the mask.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels_base import codes_f32, config_for, empty, launch_args, num_sms, pdl_args, pow2_divisor, prior_done
+from policy import GEMV_MAX_TOKENS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,13 +83,25 @@ def _gemv_group(lst, idx, ok, n_routed, G, HAS_LIVE: tl.constexpr):
 
 
 @triton.jit
+def _gemv_rows(g, chunk, GS: tl.constexpr, BN: tl.constexpr, HALF: tl.constexpr):
+    # The BN output rows of a chunk of group g: consecutive rows, or with RoPE (HALF = head_dim / 2) the
+    # rotation pairs (i, i + HALF) of one head side by side, lanes (2j, 2j + 1), so the epilogue has both.
+    lane = tl.arange(0, BN)
+    if HALF == 0:
+        return g * GS + (chunk * BN) % GS + lane
+    p = (chunk * BN) % GS // 2 + lane // 2  # the pair, counted within the group
+    return g * GS + p // HALF * 2 * HALF + lane % 2 * HALF + p % HALF
+
+
+@triton.jit
 def _gemv_mn_block(x, w, w_up, lst, n_routed, G, step, end, t, M, K, KS, sxm, swn, GS: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr, HAS_LIVE: tl.constexpr):
+                   BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr, HAS_LIVE: tl.constexpr,
+                   HALF: tl.constexpr):
     # Loads of one step: chunk step // KS (BN rows of one live group), K slice step % KS.
     chunk, k0 = step // KS, (step % KS) * BK
     ok = (step + tl.zeros([BN], tl.int32)) < end
     g = tl.where(ok, _gemv_group(lst, chunk * BN // GS + tl.zeros([BN], tl.int32), ok, n_routed, G, HAS_LIVE), 0)
-    n = g * GS + (chunk * BN) % GS + tl.arange(0, BN)
+    n = _gemv_rows(g, chunk, GS, BN, HALF)
     kk = k0 + tl.arange(0, BK)
     kok = (kk < K)[None, :]
     a = tl.load(x + t[:, None] * sxm + kk[None, :], mask=(t < M)[:, None] & kok, other=0.0)
@@ -112,10 +128,36 @@ def _gemv_mn_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, FUSED: tl.
 
 
 @triton.jit
+def _gemv_qkv_out(q_out, k_dst, v_dst, cos, sin, slot, mask, res, t, g, n, M, G, NQ, NK, T, sdb, sdh, sdt,
+                  BT: tl.constexpr, BN: tl.constexpr, HALF: tl.constexpr):
+    # The epilogue of Q, K, V with RoPE: each value rounded to the model dtype as the projection's output
+    # is, then rotated in fp32 ("rotate half": lane 2j holds x1, lane 2j + 1 its partner x2) and rounded
+    # once, as rope_and_store does; Q to q_out (skipped (token, group) outputs 0), K and V (never pruned,
+    # V not rotated) straight into the KV cache at each token's slot.
+    r = res.to(q_out.dtype.element_ty).to(tl.float32)
+    tok = (t < M)[:, None]
+    dim = (n % (2 * HALF))[None, :]
+    c = tl.load(cos + t[:, None] * 2 * HALF + dim, mask=tok, other=0.0)
+    sn = tl.load(sin + t[:, None] * 2 * HALF + dim, mask=tok, other=0.0)
+    x1, x2 = tl.split(tl.reshape(r, [BT, BN // 2, 2]))
+    rot = tl.reshape(tl.join(-x2, x1), [BT, BN])
+    val = tl.where((n < NQ + NK)[None, :], r * c + rot * sn, r)
+    on = tl.load(mask + t[:, None] * G + g[None, :], mask=tok & (g < G)[None, :], other=1) > 0
+    tl.store(q_out + t[:, None] * NQ + n[None, :], tl.where(on, val, 0.0).to(q_out.dtype.element_ty),
+             mask=tok & (n < NQ)[None, :])
+    kv = tl.where(n < NQ + NK, n - NQ, n - NQ - NK)  # the row within K, or within V
+    dst = ((t // T).to(tl.int64) * sdb + tl.load(slot + t, mask=t < M, other=0) * sdt)[:, None] + \
+        (kv // (2 * HALF) * sdh + kv % (2 * HALF))[None, :]
+    tl.store(k_dst + dst, val.to(k_dst.dtype.element_ty), mask=tok & ((n >= NQ) & (n < NQ + NK))[None, :])
+    tl.store(v_dst + dst, val.to(v_dst.dtype.element_ty), mask=tok & (n >= NQ + NK)[None, :])
+
+
+@triton.jit
 def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, part, tickets, M, N, K, G, GE, sxm, swn, som,
+                    cos, sin, slot, k_dst, v_dst, NQ, NK, T, sdb, sdh, sdt,
                     GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-                    HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
+                    HAS_LIVE: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
     """Decode gemm_mn (M <= BT tokens): the weight rows of groups no token runs are never read.
 
     Grid (P,), persistent, on the shared schedule (module docstring): the steps are (BN-row chunk of a live
@@ -123,8 +165,11 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, part, ticke
     every step; more tokens: tl.dot on a 16-row tile. Inactive (token, group) outputs and the channels of
     dead groups are written as zeros. GE groups after the G routed ones are always live (the dense tail: K
     and V after Q, one stream). FP8: w (and w_up) hold e4m3 codes, half the bytes per step; the fp32 sums
-    are multiplied by each row's scale (ws, wus) in the epilogue, before the SwiGLU. PDL: see
-    kernels_base.prior_done (the mask and the live list are the previous kernel's). Twin: kernels.gemm_mn_ref.
+    are multiplied by each row's scale (ws, wus) in the epilogue, before the SwiGLU. HALF > 0 (Q, K, V of
+    a decode step): the epilogue also applies RoPE and writes K and V into the cache (_gemv_qkv_out; out
+    is then Q alone, NQ wide), so no separate RoPE launch; twin kernels_step.rope_and_store_ref after
+    kernels.gemm_mn_ref. PDL: see kernels_base.prior_done (the mask and the live list are the previous
+    kernel's). Twin: kernels.gemm_mn_ref.
     """
     prior_done(PDL)
     pid, P = tl.program_id(0), tl.num_programs(0)
@@ -159,11 +204,11 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, part, ticke
         acc = tl.zeros([BT, BN], tl.float32)
         acc_up = tl.zeros([BT, BN], tl.float32)
     a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_mn_block(x, w, w_up, lst, n_routed, G, begin, end, t, M, K, KS, sxm,
-                                                   swn, GS, BN, BK, FUSED, HAS_LIVE)
+                                                   swn, GS, BN, BK, FUSED, HAS_LIVE, HALF)
     for step in range(begin, end):
         a, b, bu, g, n = a_nx, b_nx, bu_nx, g_nx, n_nx
         a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_mn_block(x, w, w_up, lst, n_routed, G, step + 1, end, t, M, K, KS,
-                                                       sxm, swn, GS, BN, BK, FUSED, HAS_LIVE)
+                                                       sxm, swn, GS, BN, BK, FUSED, HAS_LIVE, HALF)
         if BT == 1:
             acc += tl.sum(codes_f32(b, FP8) * a.to(tl.float32), 1)
             if FUSED:
@@ -176,8 +221,15 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, part, ticke
             last, acc, acc_up = _finish_cut(acc, acc_up, part, tickets, pid, step // KS, KS, S, PW, begin,
                                             BT * BN, FUSED)
             if last:
-                _gemv_mn_out(out, ws, wus, mask, acc if BT > 1 else acc[None, :],
-                             acc_up if BT > 1 else acc_up[None, :], t, g, n, M, G, som, FUSED, FP8)
+                res = acc if BT > 1 else acc[None, :]
+                if HALF > 0:
+                    if FP8:
+                        res = res * tl.load(ws + n)[None, :]
+                    _gemv_qkv_out(out, k_dst, v_dst, cos, sin, slot, mask, res, t, g, n, M, G, NQ, NK, T, sdb, sdh,
+                                  sdt, BT, BN, HALF)
+                else:
+                    _gemv_mn_out(out, ws, wus, mask, res, acc_up if BT > 1 else acc_up[None, :], t, g, n, M, G,
+                                 som, FUSED, FP8)
             acc = acc * 0.0
             acc_up = acc_up * 0.0
     D = (G - n_routed) * (GS // BN)  # dead groups' chunks, shared out over all programs: zeros only
@@ -185,16 +237,28 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, part, ticke
     if not HAS_LIVE:
         dead_at += GE
     for c in range(pid * D // P, (pid + 1) * D // P):
-        n = tl.load(dead_at + c * BN // GS) * GS + (c * BN) % GS + tl.arange(0, BN)
+        n = _gemv_rows(tl.load(dead_at + c * BN // GS), c, GS, BN, HALF)
         tl.store(out + t[:, None] * som + n[None, :], tl.zeros([BT, BN], out.dtype.element_ty),
                  mask=(t < M)[:, None])
 
 
-def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, live=None, tickets=None):
+class Rope(NamedTuple):
+    """What Q, K, V's decode GEMV needs to apply RoPE and fill the KV cache in its epilogue."""
+    cos: torch.Tensor      # [M, head_dim] per token (engine.StepInputs)
+    sin: torch.Tensor
+    slot: torch.Tensor     # [M] the cache slot of each token's K/V
+    k_cache: torch.Tensor  # [B, Hkv, L, head_dim]
+    v_cache: torch.Tensor
+    n_q: int               # Q's rows (H * head_dim); K's and V's follow, n_k rows each
+    n_k: int
+    tokens_per_row: int    # T of the step (M = B * T)
+
+
+def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, live=None, tickets=None, rope=None):
     """Launch _gemv_mn_kernel for kernels.gemm_mn (x [M <= 16, K]; mask uint8 [M, G]; out [M, N]; ws, wus the
     fp8 scales or placeholders). live: the router's live list, int32 [1 + G]. tickets: int32 zeros, one
-    per chunk (N / BN of them); None allocates them."""
-    from policy import GEMV_MAX_TOKENS
+    per chunk (N / BN of them); None allocates them. rope (a Rope): w is Q, K, V; the epilogue rotates Q
+    and K and writes K and V into the cache; returns Q [M, n_q], rotated."""
     M, K = x.shape
     N = w.shape[0]
     fused, fp8 = w_up is not w, ws is not x
@@ -211,10 +275,22 @@ def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, live
     # The lists built in the kernel (no router list), and two share slots per program for the cut chunks.
     live_list = empty((P, GP) if live is None else (1,), torch.int32, x.device)
     part = empty((P, 2, 2, BT, BN), torch.float32, x.device)
+    half, kc, vc, d = 0, x, x, 0
+    if rope is not None:
+        kc, vc = rope.k_cache, rope.v_cache
+        d = kc.shape[-1]
+        # (groups of whole heads, so a chunk's rotation pairs are one head's; Q | K | V fall on head boundaries)
+        assert not fused and group_size % d == 0 and rope.n_q + 2 * rope.n_k == N
+        assert BN >= 2 and kc.stride() == vc.stride() and kc.stride(-1) == 1, "RoPE pairs need 2 lanes a chunk"
+        half, out = d // 2, empty((M, rope.n_q), x.dtype, x.device)
+    cos, sin, slot = (rope.cos, rope.sin, rope.slot) if rope is not None else (x, x, x)
     _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, mask, mask if live is None else live, live_list, part, tickets,
-                          M, N, K, G, GE, x.stride(0), w.stride(0), out.stride(0), GS=group_size, GP=GP,
+                          M, N, K, G, GE, x.stride(0), w.stride(0), out.stride(0),
+                          cos, sin, slot, kc, vc, rope.n_q if rope else 0, rope.n_k if rope else 0,
+                          rope.tokens_per_row if rope else 1, kc.stride(0), kc.stride(1) if rope else 0,
+                          kc.stride(2) if rope else 0, GS=group_size, GP=GP,
                           BT=BT, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8, IEEE=x.dtype == torch.float32,
-                          HAS_LIVE=live is not None, **launch_args(cfg), **pdl_args(x.device))
+                          HAS_LIVE=live is not None, HALF=half, **launch_args(cfg), **pdl_args(x.device))
     return out
 
 

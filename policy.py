@@ -48,8 +48,10 @@ KINDS = {
     "norm_route": "RMSNorm + the router in one launch (norm_route), residual add fused",
     "norm_then_router": "RMSNorm (rms_norm), then the router module itself (two fp32 GEMMs)",
     "layout": "mask reordering: per group, its live tokens first (layout + work list)",
-    "gemv": "the live groups' weight rows only (gemm_mn's decode GEMV, its live-group list); K and V as its dense tail",
-    "gemv_all": "every row as the dense tail of gemm_mn's decode GEMV (the dense model through WIDE's kernel)",
+    "gemv": "the live groups' weight rows only (gemm_mn's decode GEMV, the router's live list); K and V as its dense "
+            "tail; RoPE and the KV-cache write in its epilogue",
+    "gemv_all": "every row as the dense tail of gemm_mn's decode GEMV (the dense model through WIDE's kernel); RoPE and "
+                "the KV-cache write in its epilogue",
     "tiles": "Q's live (group, token-tile) items only (gemm_mn, sorted tiles); K and V in one cuBLAS GEMM",
     "cublas": "one cuBLAS GEMM (nothing routed here)",
     "cublas_every_head": "one cuBLAS GEMM for every head's Q, K, V (attention reads the live groups' Q only)",
@@ -126,7 +128,8 @@ class Policy:
         if attn_router is not None and (not shape.decode or qkv.kind == "tiles"):
             ops["attn_layout"] = Op("layout", "Triton", kernels=LAYOUT)  # prefill attention and Q's tiles read it
         ops["qkv"] = qkv
-        ops["rope"] = Op("rope", "Triton", kernels=("rope_kernel",))
+        if qkv.kind not in ("gemv", "gemv_all"):  # the decode GEMV does RoPE and the cache write in its epilogue
+            ops["rope"] = Op("rope", "Triton", kernels=("rope_kernel",))
         ops["attention"] = self.attention_op(shape, attn_router)
         ops["o"] = self.o_op(shape, attn_router, w)
         ops["ffn_norm"] = self.norm_op(shape, ffn_router)

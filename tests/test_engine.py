@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import engine
+import kernels
+import kernels_gemv
 import kernels_step
 import policy
 import wide
@@ -63,6 +65,40 @@ def test_rope_and_store_kernel_matches_twin(B, T, H, Hkv, d):
     assert_close(got, ref, atol=1e-5, what="rotated q")
     assert_close(caches[0].k_cache, caches[1].k_cache, atol=1e-5, what="k cache")
     assert torch.equal(caches[0].v_cache, caches[1].v_cache), "v is stored as it is"
+
+
+@pytest.mark.parametrize("B, T, H, Hkv, d, G", [(1, 1, 4, 2, 16, 2), (3, 1, 8, 2, 16, 4), (2, 2, 4, 4, 32, 4)])
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("with_live", [False, True], ids=["own list", "router's list"])
+def test_qkv_gemv_with_rope_in_its_epilogue_equals_the_projection_then_rope_and_store(B, T, H, Hkv, d, G, fp8,
+                                                                                      with_live):
+    # One launch for Q, K, V of a decode-sized step: the GEMV's epilogue rotates Q and K and writes K and V
+    # into the cache. It must equal gemm_mn (Q's skipped groups 0, K and V its dense tail), then rope_and_store.
+    cfg = ModelConfig(dim=H * d, n_heads=H, n_kv_heads=Hkv, max_seq_len=32)
+    m = Transformer(cfg).to(DEV)
+    M, L, D, nq, nk = B * T, 24, 48, H * d, Hkv * d
+    x, w = randn(M, D, seed=1), randn(nq + 2 * nk, D, seed=2) / D ** 0.5
+    ws = None
+    if fp8:
+        w, ws = kernels.quantize_fp8(w)
+    mask = torch.rand(M, G, generator=torch.Generator().manual_seed(3)).to(DEV) < 0.5
+    gs = nq // G
+    pos = torch.stack([torch.randperm(L, generator=torch.Generator().manual_seed(b))[:T] for b in range(B)]).to(DEV)
+    cos, sin = (c.reshape(M, d).contiguous() for c in m.rope(pos))
+    step = engine.StepInputs(T == 1, cos, sin, pos.reshape(M).contiguous(), None, None, None, 0)
+    caches = [KVCache(B, L, Hkv, d, torch.float32, DEV) for _ in range(2)]
+    for c in caches:  # what is already in the cache must survive
+        c.k_cache.copy_(randn(B, Hkv, L, d, seed=5))
+        c.v_cache.copy_(randn(B, Hkv, L, d, seed=6))
+    live = kernels_step.live_ref(mask) if with_live and M <= policy.NORM_ROUTE_TILE else None
+    rope = kernels_gemv.Rope(cos, sin, step.slot, caches[0].k_cache, caches[0].v_cache, nq, nk, T)
+    got = kernels.gemm_mn(x, w, mask, gs, dense_tail=2 * nk, w_scale=ws, live=live, rope=rope)
+    qkv = kernels.gemm_mn_ref(x, w, mask, gs, dense_tail=2 * nk, w_scale=ws)
+    ref = kernels_step.rope_and_store_ref(qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:], step,
+                                          caches[1].k_cache, caches[1].v_cache, H, Hkv, d)
+    assert_close(got, ref, atol=1e-5, what="rotated q")
+    assert_close(caches[0].k_cache, caches[1].k_cache, atol=1e-5, what="k cache")
+    assert_close(caches[0].v_cache, caches[1].v_cache, atol=1e-5, what="v cache")
 
 
 def router(D=64, G=4, seed=0):
