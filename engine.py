@@ -130,11 +130,10 @@ class Engine:
                                             down=kernels.quantize_fp8(layer.mlp.down_proj.weight))
                             for layer in model.layers for wqkv, wgu in [self.fused[id(layer)]]}
         device = model.embed_tokens.weight.device
-        # Zeroed counters the kernels take tickets from and leave zero again (norm_route's token tiles, the
-        # decode GEMVs' chunks, gemm_k's split, decode attention's merge); kernels on one stream run one after
-        # another, so one buffer serves them all. A decode GEMV has at most one chunk per output row.
-        rows = max(max(w.shape[0] for w in self.fused[id(layer)]) for layer in model.layers)
-        self.tickets = torch.zeros(max(4096, rows), dtype=torch.int32, device=device)
+        # Zeroed counters the kernels take tickets from and leave zero again (norm_route's token tiles,
+        # gemm_k's split, decode attention's merge); kernels on one stream run one after another, so one
+        # buffer serves them all.
+        self.tickets = torch.zeros(4096, dtype=torch.int32, device=device)
         self.plans = {}  # (Shape, routers) -> Plan: a step's plan is computed once per shape
         self.constant_masks = {}  # (M, G) -> an all-True mask, for the dense model's ops through WIDE's kernels
 
@@ -285,10 +284,10 @@ class Engine:
         if op.kind == "gemv":
             # Q's live groups, then K and V (never pruned), as one weight stream in one launch.
             qkv = kernels.gemm_mn(x2, wqkv, mask, gs, dense_tail=wqkv.shape[0] - nq, w_scale=s8, live=head_live,
-                                  tickets=self.tickets, rope=rope)
+                                  rope=rope)
         elif op.kind == "gemv_all":  # every row as the dense tail: mask [M, 0]
             qkv = kernels.gemm_mn(x2, wqkv, self.no_groups(M), pow2_divisor(wqkv.shape[0], max(128, d)),
-                                  dense_tail=wqkv.shape[0], w_scale=s8, tickets=self.tickets, rope=rope)
+                                  dense_tail=wqkv.shape[0], w_scale=s8, rope=rope)
         elif op.kind == "tiles":
             # Q proj, live groups only; pruned slots stay unwritten (attention never reads them).
             q = kernels.gemm_mn(x2, wqkv[:nq], lay, gs, zero_pruned=False)
@@ -352,11 +351,11 @@ class Engine:
             gate_scale = None if sgu is None else sgu[:I]
             if op.kind == "gemv_fused_all":  # every row as the decode GEMV's dense tail: mask [M, 0]
                 a = kernels.gemm_mn(x2, wgu[:I], self.no_groups(M), dense_group(I), w_up=wgu[I:], dense_tail=I,
-                                    w_scale=gate_scale, w_up_scale=up_scale, tickets=self.tickets)
+                                    w_scale=gate_scale, w_up_scale=up_scale)
             else:  # "gemv_fused" reads the mask itself, "tiles_fused" the layout
                 lay = layout(channel_mask) if "ffn_layout" in ops else mask
                 a = kernels.gemm_mn(x2, wgu[:I], lay, gs, w_up=wgu[I:], w_scale=gate_scale, w_up_scale=up_scale,
-                                    live=channel_live if op.kind == "gemv_fused" else None, tickets=self.tickets)
+                                    live=channel_live if op.kind == "gemv_fused" else None)
         op = ops["down"]
         wd, sd = self.linear_weights(layer, "down", op)
         if op.kind == "gemm_k_all":

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels_base import LONG_K, check_device, config_for, empty, launch_args, pdl_args, pow2_divisor, prior_done
-from kernels_gemv import gemv_k, gemv_mn
+from kernels_base import LONG_K, check_device, codes_f32, config_for, empty, launch_args, pdl_args, pow2_divisor, prior_done
+from kernels_gemv import gemv_mn
 from kernels_layout import as_layout, flat_mask
-from policy import GEMV_K_MAX_TOKENS, GEMV_MAX_TOKENS
+from policy import GEMV_MAX_TOKENS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, 
 
 
 def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, config=None, dense_tail=0,
-            w_scale=None, w_up_scale=None, live=None, tickets=None, rope=None):
+            w_scale=None, w_up_scale=None, live=None, rope=None):
     """Masked linear with output-channel groups: x[M,K], w[N,K], mask [M, N/group_size] -> [M,N].
 
     With w_up it is the fused SwiGLU input silu(x @ w.T) * (x @ w_up.T) (w = gate).
@@ -137,8 +137,7 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     The decode GEMV reads the fp8 bytes; more tokens dequantize to x's dtype and run the sorted tiles.
     live: the router's live list of this mask (kernels_step.norm_route), int32 [1 + G]: the count of groups
     some token runs, then those groups ascending, then the others; the decode GEMV reads it instead of
-    listing the groups itself. tickets: int32 zeros, one per program, for the chunks cut between two of the
-    GEMV's programs (the kernel leaves them zero, so a CUDA graph can replay it); None allocates them.
+    listing the groups itself.
     rope (kernels_gemv.Rope, decode GEMV only): w is [Q; K; V]; RoPE and the KV-cache write happen in the
     kernel's epilogue and the result is Q alone, rotated.
     """
@@ -163,7 +162,7 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     ieee = x.dtype == torch.float32
     if M <= GEMV_MAX_TOKENS:  # decode: the GEMV of kernels_gemv.py, straight from the mask or the live list
         return gemv_mn(x, w, w_up, ws, wus, out, flat_mask(mask_or_layout).view(torch.uint8), group_size, G, GE,
-                       config=config, live=live, tickets=tickets, rope=rope)
+                       config=config, live=live, rope=rope)
     assert rope is None, "rope: the decode GEMV only"
     lay = as_layout(mask_or_layout)
     cfg = config_for("gemm_mn_fused" if fused else "gemm_mn", config)
@@ -194,12 +193,16 @@ def _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
                  GS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
     # One BK slice of group g: a-rows of tokens that do not run g are predicated off
     # (intra-block skip; those slots are never read, so garbage there is harmless).
+    # BM == 1 (one token, config FMA): fp32 multiply-adds instead of a 16-row tensor-core tile, which
+    # would convert every weight (fp8 codes too) for 15 rows of padding.
     k0 = g * GS + step * BK
     kk = tl.arange(0, BK)
     on = tl.load(mask + rows * G + g, mask=rok, other=0) > 0
     at = tl.load(a + rows[:, None].to(tl.int64) * sam + k0 + kk[None, :], mask=on[:, None], other=0.0)
     wt = tl.load(w + cols[:, None].to(tl.int64) * swn + k0 + kk[None, :], mask=cok[:, None], other=0.0)
-    if F16 == 2:  # fp8 codes and activations as f16 (exact for bf16 values within f16's range, |a| < 65504)
+    if BM == 1:
+        acc += tl.sum(codes_f32(wt, F16 > 0) * at.to(tl.float32), 1)[None, :]
+    elif F16 == 2:  # fp8 codes and activations as f16 (exact for bf16 values within f16's range, |a| < 65504)
         acc = tl.dot(at.to(tl.float16), tl.trans(wt.to(tl.float16)), acc)
     elif F16 == 1:  # fp8 codes -> f16 (exact, and one conversion per two codes) -> the activations' dtype (exact)
         acc = tl.dot(at, tl.trans(wt.to(tl.float16).to(at.dtype)), acc, input_precision="ieee" if IEEE else "tf32")
@@ -325,9 +328,8 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     """Masked linear with reduction groups: a[M,K], w[N,K], mask [M, K/group_size] -> [M,N].
 
     residual [M, N]: return residual + (that result), the add fused into the kernel ("tile" only).
-    tickets: int32 zeros, one per output tile of the decode split (one token: one per chunk of
-    kernels_gemv.gemv_k); the kernels leave them zero, so a CUDA graph can replay them and an engine keeps
-    one buffer; None allocates them.
+    tickets: int32 zeros, one per output tile, for the decode split (the kernel leaves them zero, so a
+    CUDA graph can replay it; an engine keeps one buffer); None allocates them.
     w_scale [N]: w is float8_e4m3fn with these per-row scales ("tile" reads the fp8 bytes at any M;
     "atomic" dequantizes first).
     live: the router's live list of this mask (kernels_step.norm_route), int32 [1 + G]; a decode step's
@@ -362,13 +364,10 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
         return out32.to(a.dtype) if residual is None else residual + out32.to(a.dtype)
     assert method in ("tile", "atomic"), "method must be 'tile' or 'atomic'"
     m = flat_mask(mask_or_layout).view(torch.uint8)
-    if M <= GEMV_K_MAX_TOKENS:  # one token: kernels_gemv.py's GEMV over the live groups' columns
-        return gemv_k(a, w, w_scale, empty((M, N), a.dtype, a.device),
-                      residual.contiguous() if residual is not None else None, m, group_size, config, live, tickets)
     small = ("gemm_k_small_long_k" if K >= LONG_K else "gemm_k_small") + ("_fp8" if w_scale is not None else "")
     cfg = config_for(small if M <= GEMV_MAX_TOKENS else "gemm_k", config)
     split = cfg.get("SPLIT", 1)
-    BM = cfg["BM"]
+    BM = 1 if M == 1 and cfg.get("FMA") else cfg["BM"]  # FMA: one token as a one-row tile, no tl.dot
     out = empty((M, N), a.dtype, a.device)
     # With SPLIT > 1 the programs write fp32 partials over the live groups; the last one reduces them.
     part = empty((split, M, N), torch.float32, a.device) if split > 1 else out

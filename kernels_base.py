@@ -39,9 +39,6 @@ CONFIGS = {
     "gemm_k_small_fp8": dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=6, SPLIT=4),
     "gemm_k_small_long_k_fp8": dict(BM=16, BN=128, BK=128, num_warps=4, num_stages=6, SPLIT=8),
     "gemm_k_atomic": dict(BN=128, BK=64, num_warps=8, num_stages=3),
-    # One token's O and down (kernels_gemv.gemv_k): steps of BN output rows x BK live columns.
-    "gemv_k_1": dict(BN=32, BK=128, num_warps=4, num_stages=1, programs_per_sm=4),
-    "gemv_k_1_fp8": dict(BN=32, BK=256, num_warps=4, num_stages=1, programs_per_sm=4),
     "attn_prefill": dict(BM=128, BN=64, num_warps=8, num_stages=3),
     # Decode attention: a work list of about programs_per_sm x SMs (row, KV head, chunk) items, at most
     # max_chunks per (row, KV head), merged in turn: merging all chunks at once was slower (the merge's
@@ -60,7 +57,6 @@ if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per ele
         "gemm_k_small_long_k": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_small_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2), "gemm_k_small_long_k_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_atomic": dict(BN=32, BK=16),
-        "gemv_k_1": dict(BN=8, BK=16, programs_per_sm=1), "gemv_k_1_fp8": dict(BN=8, BK=16, programs_per_sm=1),
         "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, programs_per_sm=4, max_chunks=4),
     })
 

@@ -3,15 +3,10 @@ The decode GEMVs: a step of a few tokens streams the weights of its live groups,
 
   gemv_mn(x[M,K], w[N,K], mask, group_size)  Q (K and V as its dense tail, RoPE and the cache write in its
                                              epilogue); gate+up with silu(gate)*up
-  gemv_k(a[1,K], w[N,K], mask, group_size)   O, down for one token: only the live groups' weight columns
-kernels.gemm_mn and kernels.gemm_k call them for decode-sized steps; their twins are kernels.gemm_mn_ref and
-kernels.gemm_k_ref. Both kernels share one schedule. The work is a flat list of steps, (chunk of BN output
-rows, BK slice of the live reduction), and each of P persistent programs takes an equal run of it, so all
-of them stream the same bytes and the last wave has no stragglers. A chunk that a run boundary cuts is
-finished by the last of its programs to arrive: each stores its fp32 share and takes the chunk's ticket;
-the last sums the shares in program order (so the result does not depend on who came last) and writes it.
-The live groups come from the router's live list (kernels_step.norm_route writes it once per decision), so
-programs start streaming at once; without one, each program lists them from the mask.
+kernels.gemm_mn calls it for decode-sized steps; its twin is kernels.gemm_mn_ref. P persistent programs share
+the live groups' chunks (BN output rows each) out evenly, whole chunks per program, so no partial sum ever
+leaves a program. The live groups come from the router's live list (kernels_step.norm_route writes it once
+per decision), so programs start loading weights at once; without one, each program lists them from the mask.
 """
 from typing import NamedTuple
 
@@ -21,53 +16,6 @@ import triton.language as tl
 
 from kernels_base import codes_f32, config_for, empty, launch_args, num_sms, pdl_args, pow2_divisor, prior_done
 from policy import GEMV_MAX_TOKENS
-
-
-# ---------------------------------------------------------------------------------------------
-# the schedule both kernels share: equal runs of steps, cut chunks finished by their last program
-# ---------------------------------------------------------------------------------------------
-@triton.jit
-def _run_start(p, S, PW):
-    # The first step of program p's run: S steps over PW programs, runs differing by at most one step.
-    return p * S // PW
-
-
-@triton.jit
-def _run_owner(s, S, PW):
-    # The program whose run holds step s (the largest p with _run_start(p) <= s).
-    return ((s + 1) * PW + S - 1) // S - 1
-
-
-@triton.jit
-def _finish_cut(acc, acc_up, part, tickets, pid, c, KS, S, PW, begin, SHAPE: tl.constexpr, FUSED: tl.constexpr):
-    """acc (and acc_up): this program's share of chunk c (steps c*KS .. c*KS+KS-1). Returns (last, acc,
-    acc_up): last = this program completes the chunk, alone or as the last of the programs whose runs it
-    spans, and then acc is the chunk's whole sum. part holds two share slots per program (0: its run's
-    first chunk, 1: its last); tickets one zeroed counter per chunk, left zero again."""
-    first_p = _run_owner(c * KS, S, PW)
-    last_p = _run_owner(c * KS + KS - 1, S, PW)
-    last = first_p == last_p
-    if first_p != last_p:
-        tb = tl.arange(0, SHAPE)
-        n = 2 * SHAPE
-        mine = part + (pid * 2 + (c != begin // KS).to(tl.int32)) * n
-        tl.store(mine + tb, tl.reshape(acc, [SHAPE]))
-        if FUSED:
-            tl.store(mine + SHAPE + tb, tl.reshape(acc_up, [SHAPE]))
-        tl.debug_barrier()  # this program's share is stored before it takes the ticket (release)
-        last = tl.atomic_add(tickets + c, 1) == last_p - first_p
-        if last:
-            tl.atomic_xchg(tickets + c, 0)
-            tot = tl.zeros([SHAPE], tl.float32)
-            tot_up = tl.zeros([SHAPE], tl.float32)
-            for p in range(first_p, last_p + 1):  # the shares in program order: a fixed summation order
-                share = part + (p * 2 + (c != _run_start(p, S, PW) // KS).to(tl.int32)) * n
-                tot += tl.load(share + tb, cache_modifier=".cg")
-                if FUSED:
-                    tot_up += tl.load(share + SHAPE + tb, cache_modifier=".cg")
-            acc = tl.reshape(tot, acc.shape)
-            acc_up = tl.reshape(tot_up, acc.shape)
-    return last, acc, acc_up
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,7 +44,7 @@ def _gemv_rows(g, chunk, GS: tl.constexpr, BN: tl.constexpr, HALF: tl.constexpr)
 @triton.jit
 def _gemv_mn_block(x, w, w_up, lst, n_routed, G, step, end, t, M, K, KS, sxm, swn, GS: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr, HAS_LIVE: tl.constexpr,
-                   HALF: tl.constexpr):
+                   HALF: tl.constexpr, EVICT: tl.constexpr):
     # Loads of one step: chunk step // KS (BN rows of one live group), K slice step % KS.
     chunk, k0 = step // KS, (step % KS) * BK
     ok = (step + tl.zeros([BN], tl.int32)) < end
@@ -105,11 +53,10 @@ def _gemv_mn_block(x, w, w_up, lst, n_routed, G, step, end, t, M, K, KS, sxm, sw
     kk = k0 + tl.arange(0, BK)
     kok = (kk < K)[None, :]
     a = tl.load(x + t[:, None] * sxm + kk[None, :], mask=(t < M)[:, None] & kok, other=0.0)
-    b = tl.load(w + n[:, None] * swn + kk[None, :], mask=ok[:, None] & kok, other=0.0, eviction_policy="evict_first")
+    b = tl.load(w + n[:, None] * swn + kk[None, :], mask=ok[:, None] & kok, other=0.0, eviction_policy=EVICT)
     bu = b
     if FUSED:
-        bu = tl.load(w_up + n[:, None] * swn + kk[None, :], mask=ok[:, None] & kok, other=0.0,
-                     eviction_policy="evict_first")
+        bu = tl.load(w_up + n[:, None] * swn + kk[None, :], mask=ok[:, None] & kok, other=0.0, eviction_policy=EVICT)
     return a, b, bu, g, n
 
 
@@ -153,15 +100,16 @@ def _gemv_qkv_out(q_out, k_dst, v_dst, cos, sin, slot, mask, res, t, g, n, M, G,
 
 
 @triton.jit
-def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, part, tickets, M, N, K, G, GE, sxm, swn, som,
+def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, M, N, K, G, GE, sxm, swn, som,
                     cos, sin, slot, k_dst, v_dst, NQ, NK, T, sdb, sdh, sdt,
                     GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-                    HAS_LIVE: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+                    HAS_LIVE: tl.constexpr, HALF: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr):
     """Decode gemm_mn (M <= BT tokens): the weight rows of groups no token runs are never read.
 
-    Grid (P,), persistent, on the shared schedule (module docstring): the steps are (BN-row chunk of a live
-    group, BK slice of K). The loop loads the next step before using this one. One token: FMAs reduced
+    Grid (P,), persistent. The live chunks (BN rows of a live group) are shared out evenly, whole chunks
+    per program, and one flat loop over (chunk, BK slice of K) steps loads the next step before using this
+    one, across chunk boundaries too. One token: FMAs reduced
     every step; more tokens: tl.dot on a 16-row tile. Inactive (token, group) outputs and the channels of
     dead groups are written as zeros. GE groups after the G routed ones are always live (the dense tail: K
     and V after Q, one stream). FP8: w (and w_up) hold e4m3 codes, half the bytes per step; the fp32 sums
@@ -193,10 +141,8 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, part, ticke
         tl.store(lst + n_routed + GE + tl.cumsum(dead, 0) - 1, gg, mask=dead > 0)
         tl.debug_barrier()
     KS = tl.cdiv(K, BK)
-    S = (n_routed + GE) * (GS // BN) * KS  # the live chunks' steps
-    PW = tl.maximum(tl.minimum(P, S), 1)  # programs with a run
-    begin = tl.where(pid < PW, _run_start(pid, S, PW), 0)
-    end = tl.where(pid < PW, _run_start(pid + 1, S, PW), 0)
+    C = (n_routed + GE) * (GS // BN)  # live chunks, shared out evenly
+    begin, end = pid * C // P * KS, (pid + 1) * C // P * KS
     if BT == 1:
         acc = tl.zeros([BN], tl.float32)
         acc_up = tl.zeros([BN], tl.float32)
@@ -204,11 +150,11 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, part, ticke
         acc = tl.zeros([BT, BN], tl.float32)
         acc_up = tl.zeros([BT, BN], tl.float32)
     a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_mn_block(x, w, w_up, lst, n_routed, G, begin, end, t, M, K, KS, sxm,
-                                                   swn, GS, BN, BK, FUSED, HAS_LIVE, HALF)
+                                                   swn, GS, BN, BK, FUSED, HAS_LIVE, HALF, EVICT)
     for step in range(begin, end):
         a, b, bu, g, n = a_nx, b_nx, bu_nx, g_nx, n_nx
         a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_mn_block(x, w, w_up, lst, n_routed, G, step + 1, end, t, M, K, KS,
-                                                       sxm, swn, GS, BN, BK, FUSED, HAS_LIVE, HALF)
+                                                       sxm, swn, GS, BN, BK, FUSED, HAS_LIVE, HALF, EVICT)
         if BT == 1:
             acc += tl.sum(codes_f32(b, FP8) * a.to(tl.float32), 1)
             if FUSED:
@@ -217,19 +163,16 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, part, ticke
             acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc, input_precision="ieee" if IEEE else "tf32")
             if FUSED:
                 acc_up = tl.dot(a, tl.trans(bu.to(a.dtype)), acc_up, input_precision="ieee" if IEEE else "tf32")
-        if (step % KS == KS - 1) | (step == end - 1):  # the chunk, or this program's share of it, is done
-            last, acc, acc_up = _finish_cut(acc, acc_up, part, tickets, pid, step // KS, KS, S, PW, begin,
-                                            BT * BN, FUSED)
-            if last:
-                res = acc if BT > 1 else acc[None, :]
-                if HALF > 0:
-                    if FP8:
-                        res = res * tl.load(ws + n)[None, :]
-                    _gemv_qkv_out(out, k_dst, v_dst, cos, sin, slot, mask, res, t, g, n, M, G, NQ, NK, T, sdb, sdh,
-                                  sdt, BT, BN, HALF)
-                else:
-                    _gemv_mn_out(out, ws, wus, mask, res, acc_up if BT > 1 else acc_up[None, :], t, g, n, M, G,
-                                 som, FUSED, FP8)
+        if step % KS == KS - 1:  # chunk done: epilogue
+            res = acc if BT > 1 else acc[None, :]
+            if HALF > 0:
+                if FP8:
+                    res = res * tl.load(ws + n)[None, :]
+                _gemv_qkv_out(out, k_dst, v_dst, cos, sin, slot, mask, res, t, g, n, M, G, NQ, NK, T, sdb, sdh,
+                              sdt, BT, BN, HALF)
+            else:
+                _gemv_mn_out(out, ws, wus, mask, res, acc_up if BT > 1 else acc_up[None, :], t, g, n, M, G, som,
+                             FUSED, FP8)
             acc = acc * 0.0
             acc_up = acc_up * 0.0
     D = (G - n_routed) * (GS // BN)  # dead groups' chunks, shared out over all programs: zeros only
@@ -254,11 +197,10 @@ class Rope(NamedTuple):
     tokens_per_row: int    # T of the step (M = B * T)
 
 
-def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, live=None, tickets=None, rope=None):
+def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, live=None, rope=None):
     """Launch _gemv_mn_kernel for kernels.gemm_mn (x [M <= 16, K]; mask uint8 [M, G]; out [M, N]; ws, wus the
-    fp8 scales or placeholders). live: the router's live list, int32 [1 + G]. tickets: int32 zeros, one
-    per chunk (N / BN of them); None allocates them. rope (a Rope): w is Q, K, V; the epilogue rotates Q
-    and K and writes K and V into the cache; returns Q [M, n_q], rotated."""
+    fp8 scales or placeholders). live: the router's live list, int32 [1 + G]. rope (a Rope): w is Q, K, V;
+    the epilogue rotates Q and K and writes K and V into the cache; returns Q [M, n_q], rotated."""
     M, K = x.shape
     N = w.shape[0]
     fused, fp8 = w_up is not w, ws is not x
@@ -269,12 +211,7 @@ def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, live
     BN = pow2_divisor(group_size, cfg["BN"])
     BT = 1 if M == 1 else GEMV_MAX_TOKENS
     assert live is None or live.numel() == 1 + G, "live: the router's count, then its G groups"
-    if tickets is None:
-        tickets = torch.zeros(triton.cdiv(N, BN), dtype=torch.int32, device=x.device)
-    assert tickets.numel() >= triton.cdiv(N, BN) and tickets.dtype == torch.int32, "one int32 ticket per chunk"
-    # The lists built in the kernel (no router list), and two share slots per program for the cut chunks.
-    live_list = empty((P, GP) if live is None else (1,), torch.int32, x.device)
-    part = empty((P, 2, 2, BT, BN), torch.float32, x.device)
+    live_list = empty((P, GP) if live is None else (1,), torch.int32, x.device)  # lists built in the kernel
     half, kc, vc, d = 0, x, x, 0
     if rope is not None:
         kc, vc = rope.k_cache, rope.v_cache
@@ -284,116 +221,12 @@ def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, live
         assert BN >= 2 and kc.stride() == vc.stride() and kc.stride(-1) == 1, "RoPE pairs need 2 lanes a chunk"
         half, out = d // 2, empty((M, rope.n_q), x.dtype, x.device)
     cos, sin, slot = (rope.cos, rope.sin, rope.slot) if rope is not None else (x, x, x)
-    _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, mask, mask if live is None else live, live_list, part, tickets,
+    _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, mask, mask if live is None else live, live_list,
                           M, N, K, G, GE, x.stride(0), w.stride(0), out.stride(0),
                           cos, sin, slot, kc, vc, rope.n_q if rope else 0, rope.n_k if rope else 0,
                           rope.tokens_per_row if rope else 1, kc.stride(0), kc.stride(1) if rope else 0,
                           kc.stride(2) if rope else 0, GS=group_size, GP=GP,
                           BT=BT, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8, IEEE=x.dtype == torch.float32,
-                          HAS_LIVE=live is not None, HALF=half, **launch_args(cfg), **pdl_args(x.device))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# gemv_k: reduction groups (O, down) for one token
-# ---------------------------------------------------------------------------------------------
-@triton.jit
-def _gemv_k_block(a, w, lst, step, end, KS, N, swn, GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # Loads of one step: chunk step // KS (BN output rows), slice step % KS of the live groups' columns.
-    chunk, j = step // KS, step % KS
-    ok = (step + tl.zeros([BK], tl.int32)) < end
-    g = tl.load(lst + j // (GS // BK) + tl.zeros([BK], tl.int32), mask=ok, other=0)  # [BK], all equal
-    kk = g * GS + (j % (GS // BK)) * BK + tl.arange(0, BK)
-    rows = chunk * BN + tl.arange(0, BN)
-    rok = (rows < N) & ((step + tl.zeros([BN], tl.int32)) < end)
-    at = tl.load(a + kk, mask=ok, other=0.0)
-    wt = tl.load(w + rows[:, None].to(tl.int64) * swn + kk[None, :], mask=rok[:, None], other=0.0,
-                 eviction_policy="evict_first")
-    return at, wt
-
-
-@triton.jit
-def _gemv_k_out(out, res, ws, acc, rows, N, HAS_RES: tl.constexpr, FP8: tl.constexpr):
-    # A chunk's epilogue, rounded as gemm_k's: fp8 scales, then `res + (a @ w.T)` in the model dtype.
-    rok = rows < N
-    if FP8:
-        acc = acc * tl.load(ws + rows, mask=rok, other=0.0)
-    y = acc.to(out.dtype.element_ty)
-    if HAS_RES:
-        y = (tl.load(res + rows, mask=rok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(out.dtype.element_ty)
-    tl.store(out + rows, y, mask=rok)
-
-
-@triton.jit
-def _gemv_k_kernel(a, w, ws, out, res, mask, live, live_list, part, tickets, N, K, G, swn,
-                   GS: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_RES: tl.constexpr,
-                   FP8: tl.constexpr, HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
-    """Decode gemm_k for one token: out[n] = sum over the live groups g of a[g-slice] . w[n, g-slice] (+ res[n]).
-
-    Grid (P,), persistent, on the shared schedule (module docstring): the steps are (BN output rows, BK
-    slice of the live groups' columns), so a program's run reads only live weight columns and only the
-    token's live a-slots (block skip: a dead group's columns are never read; with one token that is
-    also every pruned a-slot). A cut chunk's shares meet through its ticket, so no partial sums of a whole
-    split-K pass and no separate reduction. The loop loads the next step before using this one. The
-    epilogue adds the residual, rounded as `res + (a @ w.T)` is; FP8: w holds e4m3 codes, the fp32 sum is
-    multiplied by row n's scale ws[n] first. No live group: the output is the residual (or 0). PDL: see
-    kernels_base.prior_done. Twin: kernels.gemm_k_ref.
-    """
-    prior_done(PDL)
-    pid, P = tl.program_id(0), tl.num_programs(0)
-    if HAS_LIVE:
-        n_live = tl.load(live)
-        lst = live + 1
-    else:
-        gg = tl.arange(0, GP)
-        on = (tl.load(mask + gg, mask=gg < G, other=0) > 0).to(tl.int32)
-        # WIDE skip: the live-group list; a group the token skips is never put on it, so its weight columns
-        # (and its a-slots) are never read
-        n_live = tl.sum(on, 0)
-        lst = live_list + pid * GP
-        tl.store(lst + tl.cumsum(on, 0) - 1, gg, mask=on > 0)
-        tl.debug_barrier()
-    KS = n_live * (GS // BK)  # steps per chunk
-    C = tl.cdiv(N, BN)
-    S = C * KS
-    PW = tl.maximum(tl.minimum(P, S), 1)
-    begin = tl.where(pid < PW, _run_start(pid, S, PW), 0)
-    end = tl.where(pid < PW, _run_start(pid + 1, S, PW), 0)
-    acc = tl.zeros([BN], tl.float32)
-    a_nx, w_nx = _gemv_k_block(a, w, lst, begin, end, KS, N, swn, GS, BN, BK)
-    for step in range(begin, end):
-        at, wt = a_nx, w_nx
-        a_nx, w_nx = _gemv_k_block(a, w, lst, step + 1, end, KS, N, swn, GS, BN, BK)
-        acc += tl.sum(codes_f32(wt, FP8) * at.to(tl.float32)[None, :], 1)
-        if (step % KS == KS - 1) | (step == end - 1):  # the chunk, or this program's share of it, is done
-            c = step // KS
-            last, acc, _ = _finish_cut(acc, acc, part, tickets, pid, c, KS, S, PW, begin, BN, False)
-            if last:
-                _gemv_k_out(out, res, ws, acc, c * BN + tl.arange(0, BN), N, HAS_RES, FP8)
-            acc = acc * 0.0
-    if KS == 0:  # no live group: out = res (or 0), chunks shared out over all programs
-        for c in range(pid * C // P, (pid + 1) * C // P):
-            _gemv_k_out(out, res, ws, tl.zeros([BN], tl.float32), c * BN + tl.arange(0, BN), N, HAS_RES, False)
-
-
-def gemv_k(a, w, ws, out, res, mask, group_size, config=None, live=None, tickets=None):
-    """Launch _gemv_k_kernel for kernels.gemm_k (a [1, K]; mask uint8 [1, G]; out [1, N]; res [1, N] or None;
-    ws the fp8 scales or None). live: the router's live list, int32 [1 + G]. tickets: int32 zeros, one per
-    chunk (N / BN of them); None allocates them."""
-    K, N = a.shape[1], w.shape[0]
-    G = K // group_size
-    cfg = config_for("gemv_k_1" + ("_fp8" if ws is not None else ""), config)
-    P = cfg["programs_per_sm"] * num_sms(a.device)
-    BN, BK = cfg["BN"], pow2_divisor(group_size, cfg["BK"])
-    GP = max(2, triton.next_power_of_2(G))
-    assert live is None or live.numel() == 1 + G, "live: the router's count, then its G groups"
-    if tickets is None:
-        tickets = torch.zeros(triton.cdiv(N, BN), dtype=torch.int32, device=a.device)
-    assert tickets.numel() >= triton.cdiv(N, BN) and tickets.dtype == torch.int32, "one int32 ticket per chunk"
-    live_list = empty((P, GP) if live is None else (1,), torch.int32, a.device)
-    part = empty((P, 2, 2, BN), torch.float32, a.device)
-    _gemv_k_kernel[(P,)](a, w, out if ws is None else ws, out, out if res is None else res, mask,
-                         mask if live is None else live, live_list, part, tickets, N, K, G, w.stride(0),
-                         GS=group_size, GP=GP, BN=BN, BK=BK, HAS_RES=res is not None, FP8=ws is not None,
-                         HAS_LIVE=live is not None, **launch_args(cfg), **pdl_args(a.device))
+                          HAS_LIVE=live is not None, HALF=half, EVICT=cfg.get("evict", ""), **launch_args(cfg),
+                          **pdl_args(x.device))
     return out

@@ -16,7 +16,6 @@ from typing import NamedTuple
 # The token counts at which a kernel takes another code path; the kernels read them from here.
 GEMV_MAX_TOKENS = 16  # gemm_mn / gemm_k: at most this many tokens run the decode GEMV (mask read directly,
                       # no layout; the only path that reads fp8 codes); more run token tiles
-GEMV_K_MAX_TOKENS = 1  # gemm_k: one token runs kernels_gemv's gemv_k (equal runs over the live columns)
 NORM_ROUTE_TILE = 4  # norm_route: tokens per program; each tile's last program applies the router's second
                      # Linear token by token, and a step of one tile also gets its live list
 
@@ -187,10 +186,10 @@ class Policy:
         (and where fp8 codes are read); elsewhere cuBLAS on the masked input (exact: pruned slots are zero,
         and no 16-token tile of per-token masks shares a skipped group)."""
         if router is None:
-            return (Op("gemm_k_all", "Triton", w, gemm_k_kernels(shape)) if self.every_group_live(shape)
+            return (Op("gemm_k_all", "Triton", w, ("gemm_k_kernel",)) if self.every_group_live(shape)
                     else Op("cublas", "cuBLAS", w))
         if shape.tokens <= self.sparse_decode_max_tokens or self.every_group_live(shape):
-            return Op("gemm_k", "Triton", w, gemm_k_kernels(shape))
+            return Op("gemm_k", "Triton", w, ("gemm_k_kernel",))
         return Op("cublas_masked_input", "cuBLAS", w)
 
     def gate_up_op(self, shape, router, w):
@@ -212,17 +211,12 @@ class Policy:
         """down, as O: gemm_k over the live groups in decode-sized steps (with fp8 codes, or a voted mask at any
         decode size the GEMV takes), else cuBLAS on the masked input."""
         if router is None:
-            return (Op("gemm_k_all", "Triton", w, gemm_k_kernels(shape)) if self.every_group_live(shape)
+            return (Op("gemm_k_all", "Triton", w, ("gemm_k_kernel",)) if self.every_group_live(shape)
                     else Op("cublas", "cuBLAS", w))
         voted = shape.ffn_vote and shape.tokens <= GEMV_MAX_TOKENS
         if shape.tokens <= self.sparse_decode_max_tokens or reads_fp8(shape) or voted:
-            return Op("gemm_k", "Triton", w, gemm_k_kernels(shape))
+            return Op("gemm_k", "Triton", w, ("gemm_k_kernel",))
         return Op("cublas_masked_input", "cuBLAS", w)
-
-
-def gemm_k_kernels(shape):
-    """What kernels.gemm_k launches at this token count: kernels_gemv's one-token GEMV, or its token tiles."""
-    return ("gemv_k_kernel",) if shape.tokens <= GEMV_K_MAX_TOKENS else ("gemm_k_kernel",)
 
 
 def reads_fp8(shape):

@@ -154,14 +154,13 @@ def case_gate_up(s, T, fp8=False):
     wgu = weights(s, 2 * I, D, copies)  # the dense side's fused [gate; up] weight; WIDE reads its halves
     wq = fp8_copies(wgu, fp8)
     x = torch.randn(T, D, device=s.device, dtype=s.dtype)
-    tickets = torch.zeros(I, dtype=torch.int32, device=s.device)  # the engine's one zeroed buffer
     lives = router_lists(T)
 
     def sparse(mask, i, config=None):
         m, cfg = with_layout(mask, config, T)
         (w, sc) = wq[i]
         return kernels.gemm_mn(x, w[:I], m, gs, w_up=w[I:], config=cfg, w_scale=None if sc is None else sc[:I],
-                               w_up_scale=None if sc is None else sc[I:], live=lives(mask), tickets=tickets)
+                               w_up_scale=None if sc is None else sc[I:], live=lives(mask))
 
     def reference(mask):  # fp8: the twin dequantizes (to x's fp32)
         w, sc = wq[0]
@@ -189,16 +188,15 @@ def case_q(s, T, with_kv, fp8=False):
     wq = fp8_copies(w, fp8)
     x = torch.randn(T, D, device=s.device, dtype=s.dtype)
     assert not fp8 or (with_kv and T <= GEMV_MAX_TOKENS), "fp8: the decode stream (Q with K/V) only"
-    tickets = torch.zeros(N, dtype=torch.int32, device=s.device)
     lives = router_lists(T)
 
     def sparse(mask, i, config=None):
         m, cfg = with_layout(mask, config, T)
         if with_kv and T <= GEMV_MAX_TOKENS:  # decode: one stream, K/V as always-live groups (engine.py)
             qkv = kernels.gemm_mn(x, wq[i][0], m, gs, config=cfg, dense_tail=N - NQ, w_scale=wq[i][1],
-                                  live=lives(mask), tickets=tickets)
+                                  live=lives(mask))
             return qkv[:, :NQ], qkv[:, NQ:]
-        q = kernels.gemm_mn(x, w[i][:NQ], m, gs, config=cfg, live=lives(mask), tickets=tickets)
+        q = kernels.gemm_mn(x, w[i][:NQ], m, gs, config=cfg, live=lives(mask))
         return (q, F.linear(x, w[i][NQ:])) if with_kv else q
 
     def reference(mask):
@@ -221,7 +219,7 @@ def case_k(s, T, K, gs, name, method="tile", fp8=False):
     w = weights(s, D, K, copies)
     wq = fp8_copies(w, fp8)
     a = torch.randn(T, K, device=s.device, dtype=s.dtype)
-    tickets = torch.zeros(D, dtype=torch.int32, device=s.device)
+    tickets = torch.zeros(D, dtype=torch.int32, device=s.device)  # the engine keeps one zeroed buffer
     lives = router_lists(T)
 
     def sparse(mask, i, config=None):

@@ -19,16 +19,16 @@ def step(kernels, t=0.0, dur=8.0, gap=2.0):
     return out
 
 
-def layer_b1():  # decode B1: every pruned op in Triton
-    return ["_norm_route_kernel", "_gemv_mn_kernel", "_rope_kernel", "_attn_decode_kernel", "_gemv_k_kernel",
-            "_norm_route_kernel", "_gemv_mn_kernel", "_gemv_k_kernel"]
+def layer_b1():  # decode B1: every pruned op in Triton, RoPE in the Q, K, V GEMV's epilogue
+    return ["_norm_route_kernel", "_gemv_mn_kernel", "_attn_decode_kernel", "_gemm_k_kernel",
+            "_norm_route_kernel", "_gemv_mn_kernel", "_gemm_k_kernel"]
 
 
 def test_triton_kernels_go_to_the_op_that_launches_them_in_order():
     plan = policy.Policy().plan(policy.Shape(1, True), WIDE)
     got = bp.assign_ops(step(["embedding_kernel"] + layer_b1() * 2 + ["_rms_norm_kernel", "nvjet_head_gemm"]), plan)
     labels = [g[0] for g in got]
-    per_layer = ["attn_norm", "qkv", "rope", "attention", "o", "ffn_norm", "gate_up", "down"]
+    per_layer = ["attn_norm", "qkv", "attention", "o", "ffn_norm", "gate_up", "down"]
     assert labels == ["embedding"] + per_layer * 2 + ["step_norm", "step_head"]
     assert got[0][3] == 0.0 and all(g[3] == 2.0 for g in got[1:]) and all(g[2] == 8.0 for g in got)
 
@@ -50,9 +50,9 @@ def test_the_summary_adds_up_per_op_and_against_the_step_time():
     plan = policy.Policy().plan(policy.Shape(1, True), WIDE)
     got = bp.assign_ops(step(layer_b1() * 2), plan)
     s = bp.summarize(got, {"qkv": 2e6, "attention": 1e6}, step_ms=0.2)
-    assert s["kernels"] == 16 and s["kernel_us"] == 128.0 and s["gap_us"] == 30.0 and s["step_us"] == 200.0
+    assert s["kernels"] == 14 and s["kernel_us"] == 112.0 and s["gap_us"] == 26.0 and s["step_us"] == 200.0
     assert s["ops"]["qkv"] == dict(kernels=2, us=16.0, gap_us=4.0, MB=2.0, GBps=125)
-    assert s["ops"]["rope"]["GBps"] is None  # no bytes counted for it
+    assert s["ops"]["gate_up"]["GBps"] is None  # no bytes counted for it
     md = bp.profile_markdown(dict(gpu="GPU", torch="t", triton="tr", date="d", command="c", model="m", steps=[
         dict(s, batch=1, context=1024, weights="bf16", profile="WIDE 50/50", masks=None)]))
     assert "| Q, K, V | 2 | 16.0 | 4.0 | 2.0 | 125 |" in md and "batch 1, context 1024, bf16: WIDE 50/50" in md

@@ -30,7 +30,7 @@ ALL_SPARSE = Policy(sparse_decode_max_tokens=10 ** 6, sparse_prefill_min_tokens=
 ALL_DENSE_LINEARS = Policy(sparse_decode_max_tokens=0, sparse_prefill_min_tokens=10 ** 9)
 # The kernels that skip work in a generation with the default policy (a short prompt, then one-token
 # steps: gemm_mn runs as its GEMV kernel); a test of the Triton path that did not launch them proves nothing.
-SKIPPING = ("layout_kernel", "gemv_mn_kernel", "gemv_k_kernel", "attn_prefill_kernel", "attn_decode_kernel")  # batch 1
+SKIPPING = ("layout_kernel", "gemv_mn_kernel", "gemm_k_kernel", "attn_prefill_kernel", "attn_decode_kernel")
 
 
 def wide_model(device=DEV, dtype=torch.float32, seed=0, routers=True, std=0.3, cfg=None, ffn_group_size=32):

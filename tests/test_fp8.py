@@ -16,7 +16,7 @@ import kernels
 import kernels_base
 from conftest import assert_close as _assert_close
 from generate import generate
-from policy import GEMV_K_MAX_TOKENS, GEMV_MAX_TOKENS
+from policy import GEMV_MAX_TOKENS
 from test_e2e import DEV, assert_same_masks, wide_model
 
 
@@ -107,7 +107,8 @@ def test_fp8_gemm_mn_with_many_tokens_dequantizes_to_the_same_result():
 @pytest.mark.parametrize("M", [1, 4, 21])
 @pytest.mark.parametrize("p_on", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("split", [1, 2], ids=["plain", "split"])
-def test_fp8_gemm_k_matches_the_dequantized_twin_with_the_residual(launches, M, p_on, split):
+@pytest.mark.parametrize("fma", [False, True], ids=["dot", "fma"])
+def test_fp8_gemm_k_matches_the_dequantized_twin_with_the_residual(launches, M, p_on, split, fma):
     gen = torch.Generator().manual_seed(M + split)
     G, gs, N = 4, 16, 40
     a = torch.randn(M, G * gs, generator=gen).to(DEV)
@@ -115,18 +116,15 @@ def test_fp8_gemm_k_matches_the_dequantized_twin_with_the_residual(launches, M, 
     res = torch.randn(M, N, generator=gen).to(DEV)
     mask = mask_of(M, G, p_on, gen)
     a_garbage = torch.where(mask.repeat_interleave(gs, 1), a, torch.full_like(a, float("nan")))
-    # (one token: gemv_k's runs, 2 or 4 programs; a few: the decode split; more: the token tiles)
-    cfg = dict(programs_per_sm=split) if M == 1 else {"SPLIT": split} if M <= GEMV_MAX_TOKENS else None
+    cfg = {"SPLIT": split, "FMA": fma} if M <= GEMV_MAX_TOKENS else None  # FMA: one token, a one-row tile
     tickets = torch.zeros(64, dtype=torch.int32, device=DEV)
     out = kernels.gemm_k(a_garbage, w, mask, gs, residual=res, tickets=tickets, w_scale=s, config=cfg)
     assert_close(out, kernels.gemm_k_ref(a, w, mask, gs, residual=res, w_scale=s))
     assert torch.count_nonzero(tickets) == 0, "the split leaves its tickets at zero"
-    name = "gemv_k_kernel" if M <= GEMV_K_MAX_TOKENS else "gemm_k_kernel"
-    assert launches.count(name) == 1
-    if name == "gemm_k_kernel":
-        (consts,) = launches.constants[name]
-        small = ("gemm_k_small_long_k" if G * gs >= kernels_base.LONG_K else "gemm_k_small") + "_fp8"  # as gemm_k picks
-        assert consts["BM"] == kernels_base.CONFIGS[small if M <= GEMV_MAX_TOKENS else "gemm_k"]["BM"]
+    assert launches.count("gemm_k_kernel") == 1
+    (consts,) = launches.constants["gemm_k_kernel"]  # one token with FMA: a one-row tile, no tl.dot
+    small = ("gemm_k_small_long_k" if G * gs >= kernels_base.LONG_K else "gemm_k_small") + "_fp8"  # as gemm_k picks
+    assert consts["BM"] == (1 if fma and M == 1 else kernels_base.CONFIGS[small if M <= GEMV_MAX_TOKENS else "gemm_k"]["BM"])
 
 
 # ---------------------------------------------------------------------------------- the engine
@@ -149,7 +147,7 @@ def greedy(f, idx, n):
     return out, steps
 
 
-FP8_KERNELS = ("gemv_mn_kernel", "gemv_k_kernel")
+FP8_KERNELS = ("gemv_mn_kernel", "gemm_k_kernel")
 
 
 @pytest.mark.parametrize("routers", [True, False], ids=["wide", "dense"])

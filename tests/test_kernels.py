@@ -18,7 +18,6 @@ import kernels_attention
 import kernels_base
 import kernels_layout
 import kernels_step
-import policy
 from conftest import assert_close as _assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -117,14 +116,12 @@ def test_gemm_k_all_groups_on_and_off(p_on):
 @pytest.mark.parametrize("M", [1, 3, 16])
 def test_decode_sized_gemms_take_the_gemv_paths(launches, M):
     # Up to GEMV_MAX_TOKENS tokens: gemm_mn is the persistent GEMV (one token: FMA path; more: a 16-row tile),
-    # gemm_k the no-layout tile kernel, and for one token the persistent gemv_k; none builds a layout.
+    # gemm_k the no-layout tile kernel; both read the mask directly, no layout is built.
     gen = torch.Generator().manual_seed(10 + M)
     run_gemm_mn(M, 48, 3, 16, 0.5, True, gen)
     run_gemm_k(M, 24, 3, 16, 0.5, "tile", gen)
     assert launches.count("gemv_mn_kernel") == 1 and launches.count("gemm_mn_kernel") == 0
-    one = M <= policy.GEMV_K_MAX_TOKENS
-    assert launches.count("gemv_k_kernel") == one and launches.count("gemm_k_kernel") == (not one)
-    assert launches.count("layout_kernel") == 0
+    assert launches.count("gemm_k_kernel") == 1 and launches.count("layout_kernel") == 0
 
 
 @pytest.mark.parametrize("M", [1, 3, 16])
@@ -141,20 +138,14 @@ def test_decode_gemm_mn_computes_a_dense_tail_after_the_routed_groups(M, p_on):
     assert (out[:, :48][~mask.repeat_interleave(16, 1)] == 0).all()
 
 
-def cut_runs(C, KS, P):
-    """The run boundaries of the decode GEMV that fall inside a chunk (C live chunks of KS steps, P programs)."""
-    PW = max(1, min(P, C))
-    return [p * C * KS // PW for p in range(1, PW) if p * C * KS // PW % KS]
-
-
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "gate+up"])
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("per_sm", [1, 3, 5])  # 2, 6, 10 programs (two "SMs" under the interpreter)
 @pytest.mark.parametrize("with_live", [False, True], ids=["own list", "router's list"])
-def test_decode_gemv_shares_steps_evenly_and_finishes_the_chunks_cut_between_programs(with_live, per_sm, M, fused, fp8):
-    # The programs take equal runs of (chunk, K slice) steps, so a run may start or end inside a chunk: the
-    # second of its two programs adds the first's partial and writes it. The tickets end at zero.
+def test_decode_gemv_over_the_routers_live_list_or_its_own_matches_twin(with_live, per_sm, M, fused, fp8):
+    # The programs share the live chunks out, whole chunks each (some get none when there are more programs
+    # than chunks); the groups come from the router's live list or from each program's own scan of the mask.
     gen = torch.Generator().manual_seed(30 + per_sm + M)
     G, GS, K, tail = 5, 16, 80, 16  # K = 80 in slices of 32: three steps per chunk, the last one short
     x = randn(M, K, gen=gen)
@@ -167,15 +158,9 @@ def test_decode_gemv_shares_steps_evenly_and_finishes_the_chunks_cut_between_pro
         w, ws = kernels.quantize_fp8(w)
         w_up, wus = kernels.quantize_fp8(w_up) if fused else (None, None)
     live = kernels_step.live_ref(mask) if with_live else None
-    tickets = torch.zeros(64, dtype=torch.int32, device=DEV)
-    cfg = dict(programs_per_sm=per_sm, BN=8, BK=32)
-    C = (int(mask.any(0).sum()) + 1) * 2
-    if per_sm == 3:
-        assert cut_runs(C, 3, 6), "this case must cut some chunk between two programs"
-    out = kernels.gemm_mn(x, w, mask, GS, w_up=w_up, dense_tail=tail, w_scale=ws, w_up_scale=wus, config=cfg,
-                          tickets=tickets, live=live)
+    out = kernels.gemm_mn(x, w, mask, GS, w_up=w_up, dense_tail=tail, w_scale=ws, w_up_scale=wus,
+                          config=dict(programs_per_sm=per_sm, BN=8, BK=32), live=live)
     assert_close(out, kernels.gemm_mn_ref(x, w, mask, GS, w_up=w_up, dense_tail=tail, w_scale=ws, w_up_scale=wus))
-    assert not tickets.any(), "every ticket is back at zero"
 
 
 @pytest.mark.parametrize("M", [1, 4])
@@ -210,38 +195,20 @@ def test_gemm_k_adds_the_residual_in_its_epilogue_and_leaves_its_tickets_at_zero
         assert_close(out, kernels.gemm_k_ref(a, w, mask, 16, residual=res))
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
-@pytest.mark.parametrize("per_sm", [1, 3, 8])  # 2, 6, 16 programs: runs that cut chunks among several programs
 @pytest.mark.parametrize("p_on", [0.0, 0.5, 1.0])
-def test_one_token_gemm_k_runs_equal_shares_of_the_live_columns_and_never_reads_pruned_inputs(launches, p_on,
-                                                                                              per_sm, fp8):
-    # gemv_k: the steps (8 output rows x 16 live columns) in equal runs; a chunk may span several programs'
-    # runs, and the last of them sums their shares in program order. Pruned a-slots hold NaN: never read.
-    gen = torch.Generator().manual_seed(30 + per_sm)
+@pytest.mark.parametrize("split", [1, 2])
+def test_one_token_gemm_k_with_fma_matches_twin_and_never_reads_pruned_inputs(launches, p_on, split):
+    # config FMA: one token is a one-row tile summed with fp32 multiply-adds instead of a padded
+    # 16-row tl.dot; the live-group list, the split and the residual epilogue are the same code.
+    gen = torch.Generator().manual_seed(30 + split)
     K, N = 5 * 16, 40
     a, w, res = randn(1, K, gen=gen), randn(N, K, gen=gen), randn(1, N, gen=gen)
-    ws = None
-    if fp8:
-        w, ws = kernels.quantize_fp8(w)
     mask = make_mask((1, 5), p_on, gen)
     garbage = torch.where(mask.repeat_interleave(16, 1), a, torch.full_like(a, float("nan")))
     tickets = torch.zeros(64, dtype=torch.int32, device=DEV)
-    for live in (None, kernels_step.live_ref(mask)):
-        out = kernels.gemm_k(garbage, w, mask, 16, residual=res, tickets=tickets, w_scale=ws, live=live,
-                             config=dict(programs_per_sm=per_sm, BN=8, BK=16))
-        assert_close(out, kernels.gemm_k_ref(a, w, mask, 16, residual=res, w_scale=ws))
-        assert (tickets == 0).all()
-    assert launches.count("gemv_k_kernel") == 2
-    if per_sm == 8 and p_on == 0.5:
-        assert any(c > 1 for c in chunk_shares(5, int(mask.sum()), 16)), "some chunk spans several runs"
-
-
-def chunk_shares(C, n_live, P):
-    """How many programs' runs each of gemv_k's C chunks spans (n_live groups of one 16-column step each)."""
-    S = C * n_live
-    PW = max(1, min(P, S))
-    owner = [max(p for p in range(PW) if p * S // PW <= s) for s in range(S)]
-    return [len(set(owner[c * n_live:(c + 1) * n_live])) for c in range(C)]
+    out = kernels.gemm_k(garbage, w, mask, 16, residual=res, tickets=tickets, config={"FMA": True, "SPLIT": split})
+    assert_close(out, kernels.gemm_k_ref(a, w, mask, 16, residual=res))
+    assert (tickets == 0).all() and launches.constants["gemm_k_kernel"][0]["BM"] == 1
 
 
 def test_one_layout_serves_gate_up_then_down():
@@ -417,46 +384,39 @@ def test_gpu_bf16_gemms(M):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("shape", ["gate+up", "qkv"])
 def test_gpu_one_token_gemv_mn_at_full_size_matches_twin_with_and_without_the_live_list(fp8, shape):
-    # The decode GEMV at the Llama-3.1-8B shapes, so hundreds of programs cut chunks; each mask twice.
+    # The decode GEMV at the Llama-3.1-8B shapes (hundreds of programs); each mask twice.
     torch.manual_seed(7)
     D, (N, gs, tail, fused) = 4096, {"gate+up": (14336, 128, 0, True), "qkv": (6144, 512, 2048, False)}[shape]
     x = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
     w, wu = (torch.randn(N, D, device="cuda", dtype=torch.bfloat16) / D ** 0.5 for _ in range(2))
     (w, ws), (wu, wus) = (kernels.quantize_fp8(v) if fp8 else (v, None) for v in (w, wu))
     wu, wus = (wu, wus) if fused else (None, None)
-    tickets = torch.zeros(N, dtype=torch.int32, device="cuda")
     for p_on in (0.0, 0.5, 1.0):
         mask = torch.rand(1, (N - tail) // gs, device="cuda") < p_on
         ref = kernels.gemm_mn_ref(x.float(), w if fp8 else w.float(), mask, gs, None if wu is None else
                                   (wu if fp8 else wu.float()), dense_tail=tail, w_scale=ws, w_up_scale=wus)
         for live in (None, kernels_step.live_ref(mask), None, kernels_step.live_ref(mask)):
-            out = kernels.gemm_mn(x, w, mask, gs, w_up=wu, dense_tail=tail, w_scale=ws, w_up_scale=wus, live=live,
-                                  tickets=tickets)
+            out = kernels.gemm_mn(x, w, mask, gs, w_up=wu, dense_tail=tail, w_scale=ws, w_up_scale=wus, live=live)
             assert rel_err(out, ref) <= 1e-2, (p_on, rel_err(out, ref))
-            assert not tickets.any()
 
 
 @GPU
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("K, gs", [(4096, 512), (14336, 128)], ids=["O", "down"])
-def test_gpu_one_token_gemv_k_matches_twin_with_and_without_the_live_list(fp8, K, gs):
-    # gemv_k on the GPU (PDL on where the GPU has it): its cut chunks meet through tickets, so a race would
-    # show as a wrong chunk; run each mask twice, the tickets must end at zero.
+@pytest.mark.parametrize("K", [1024, 16384])  # the O projection's and the down projection's (split) classes
+def test_gpu_one_token_gemm_k_with_fma_rows(fp8, K):
+    # config FMA compiles and matches the twin on the GPU (the interpreter cannot tell it from a tl.dot)
     torch.manual_seed(K)
-    N = 4096
+    N, gs = 512, 128
     a = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
     w, scale = kernels.quantize_fp8(w) if fp8 else (w, None)
     res = torch.randn(1, N, device="cuda", dtype=torch.bfloat16)
-    tickets = torch.zeros(N, dtype=torch.int32, device="cuda")
     for p_on in (0.0, 0.5, 1.0):
         mask = torch.rand(1, K // gs, device="cuda") < p_on
+        out = kernels.gemm_k(a, w, mask, gs, residual=res, w_scale=scale, config={"FMA": True})
         ref = kernels.gemm_k_ref(a.float(), w.float() if scale is None else w, mask, gs, residual=res.float(),
                                  w_scale=scale)
-        for live in (None, kernels_step.live_ref(mask), None, kernels_step.live_ref(mask)):
-            out = kernels.gemm_k(a, w, mask, gs, residual=res, w_scale=scale, live=live, tickets=tickets)
-            assert rel_err(out, ref) <= 1e-2, (p_on, rel_err(out, ref))
-            assert not tickets.any()
+        assert rel_err(out, ref) <= 1e-2, (p_on, rel_err(out, ref))
 
 
 @GPU

@@ -20,11 +20,10 @@ What is pinned (GS = 16 channels per group; "live" = some token of the step, or 
   gemm_mn, sorted tiles (M > GEMV_MAX_TOKENS): group g's weight rows are read exactly once per live token tile of
       g, so never for a group no token runs and never by a dead tile; x row t once per group t runs.
   gemm_mn, decode GEMV (M <= 16): each weight row (and fp8 scale) of a live group or of the dense tail
-      is read exactly once, also when runs of steps cut a chunk between two programs and when the groups
-      come from the router's live list; a dead group's rows never.
-  gemm_k (one token's gemv_k, whose runs may cut chunks; a few tokens' split tile, short and long K; the
-      token tiles): group g's weight columns are read once per token tile in which g is live, never
-      otherwise; a pruned a-slot is never read.
+      is read exactly once, with any number of programs and when the groups come from the router's
+      live list; a dead group's rows never.
+  gemm_k (decode with its split, short and long K; and the token tiles): group g's weight columns are
+      read once per token tile in which g is live, never otherwise; a pruned a-slot is never read.
   attention_prefill: q[b, h, t] is read once if token t runs h's group, else never; the K/V of
       (b, KV head) are read up to the last active token of its query heads, and not at all if none is.
   attention_decode: K/V[b, KV head, pos] is read once if some query head of that KV head runs and
@@ -46,7 +45,6 @@ import kernels_attention
 import kernels_base
 import kernels_layout
 import kernels_step
-from policy import GEMV_K_MAX_TOKENS
 
 pytestmark = pytest.mark.skipif(not kernels_base.INTERPRET, reason="reads are recorded through the Triton interpreter")
 
@@ -201,7 +199,7 @@ def test_gemm_mn_tiles_read_a_groups_weight_rows_once_per_live_tile_and_never_fo
     assert torch.equal(rec.reads("_gemm_mn_kernel", "x"), mask.sum(1)[:, None].expand(-1, K).long())
 
 
-@pytest.mark.parametrize("runs", ["default", "cut"])  # cut: 10 programs, runs of steps that cut chunks
+@pytest.mark.parametrize("runs", ["default", "many programs"])  # 10 programs, some with no chunk
 @pytest.mark.parametrize("source", ["own list", "router's list"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("M", [1, 5])
@@ -211,7 +209,7 @@ def test_decode_gemv_never_reads_the_rows_of_a_dead_group(kind, M, fmt, source, 
     mask = step_mask(kind, M, G)
     w, ws = weight(fmt, G * GS, K)
     live = kernels_step.live_ref(mask) if source == "router's list" else None
-    cfg = dict(programs_per_sm=5, BN=4, BK=32) if runs == "cut" else None
+    cfg = dict(programs_per_sm=5, BN=4, BK=32) if runs == "many programs" else None
     with recorded_loads() as rec:
         kernels.gemm_mn(randn(M, K), w, mask, GS, w_scale=ws, live=live, config=cfg)
     live = mask.any(0).long()  # [G]: some token of the step runs the group
@@ -260,14 +258,11 @@ def test_decode_gemm_k_never_reads_the_weight_columns_of_a_group_no_token_runs(k
     mask = step_mask(kind, M, G)
     w, ws = weight(fmt, N, K)
     live = kernels_step.live_ref(mask) if source == "router's list" else None
-    # One token: gemv_k, here on 10 programs whose runs cut chunks; a few tokens: the decode tile's split.
-    cfg = dict(programs_per_sm=5) if M <= GEMV_K_MAX_TOKENS else None
     with recorded_loads() as rec:
-        kernels.gemm_k(randn(M, K), w, mask, GS, w_scale=ws, live=live, config=cfg)
-    # Each live group's columns are read exactly once, however the work is shared out.
-    kernel = "_gemv_k_kernel" if M <= GEMV_K_MAX_TOKENS else "_gemm_k_kernel"
-    assert torch.equal(rec.reads(kernel, "w"), per_column(mask.any(0).long(), N))
-    a_read = rec.reads(kernel, "a") > 0
+        kernels.gemm_k(randn(M, K), w, mask, GS, w_scale=ws, live=live)
+    # The split programs share a tile's live groups out: each live group's columns are read exactly once.
+    assert torch.equal(rec.reads("_gemm_k_kernel", "w"), per_column(mask.any(0).long(), N))
+    a_read = rec.reads("_gemm_k_kernel", "a") > 0
     assert torch.equal(a_read, mask.repeat_interleave(GS, 1)), "a pruned a-slot is never read, a live one is"
 
 
