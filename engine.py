@@ -283,8 +283,7 @@ class Engine:
         rope = None if "rope" in ops else kernels_gemv.Rope(step.cos, step.sin, step.slot, kc, vc, nq, Hkv * d, T)
         if op.kind == "gemv":
             # Q's live groups, then K and V (never pruned), as one weight stream in one launch.
-            qkv = kernels.gemm_mn(x2, wqkv, mask, gs, dense_tail=wqkv.shape[0] - nq, w_scale=s8, live=head_live,
-                                  rope=rope)
+            qkv = kernels.gemm_mn(x2, wqkv, mask, gs, dense_tail=wqkv.shape[0] - nq, w_scale=s8, rope=rope)
         elif op.kind == "gemv_all":  # every row as the dense tail: mask [M, 0]
             qkv = kernels.gemm_mn(x2, wqkv, self.no_groups(M), pow2_divisor(wqkv.shape[0], max(128, d)),
                                   dense_tail=wqkv.shape[0], w_scale=s8, rope=rope)
@@ -354,8 +353,7 @@ class Engine:
                                     w_scale=gate_scale, w_up_scale=up_scale)
             else:  # "gemv_fused" reads the mask itself, "tiles_fused" the layout
                 lay = layout(channel_mask) if "ffn_layout" in ops else mask
-                a = kernels.gemm_mn(x2, wgu[:I], lay, gs, w_up=wgu[I:], w_scale=gate_scale, w_up_scale=up_scale,
-                                    live=channel_live if op.kind == "gemv_fused" else None)
+                a = kernels.gemm_mn(x2, wgu[:I], lay, gs, w_up=wgu[I:], w_scale=gate_scale, w_up_scale=up_scale)
         op = ops["down"]
         wd, sd = self.linear_weights(layer, "down", op)
         if op.kind == "gemm_k_all":

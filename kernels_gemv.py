@@ -5,8 +5,9 @@ The decode GEMVs: a step of a few tokens streams the weights of its live groups,
                                              epilogue); gate+up with silu(gate)*up
 kernels.gemm_mn calls it for decode-sized steps; its twin is kernels.gemm_mn_ref. P persistent programs share
 the live groups' chunks (BN output rows each) out evenly, whole chunks per program, so no partial sum ever
-leaves a program. The live groups come from the router's live list (kernels_step.norm_route writes it once
-per decision), so programs start loading weights at once; without one, each program lists them from the mask.
+leaves a program. Each program lists the live groups from the mask itself (a few hundred bytes): reading the
+router's live list instead (kernels_step.norm_route writes one; gemm_k's decode tile reads it) cost this
+kernel registers, and with them a program per SM, on the H200.
 """
 from typing import NamedTuple
 
@@ -22,15 +23,6 @@ from policy import GEMV_MAX_TOKENS
 # gemv_mn: output-channel groups (Q with K and V; gate+up)
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _gemv_group(lst, idx, ok, n_routed, G, HAS_LIVE: tl.constexpr):
-    # The group of live-list entry idx: the router's list holds the routed live groups only, the dense tail
-    # (groups G..) follows them; a list built here holds both.
-    if HAS_LIVE:
-        return tl.where(idx < n_routed, tl.load(lst + idx, mask=ok & (idx < n_routed), other=0), G + idx - n_routed)
-    return tl.load(lst + idx, mask=ok, other=0)
-
-
-@triton.jit
 def _gemv_rows(g, chunk, GS: tl.constexpr, BN: tl.constexpr, HALF: tl.constexpr):
     # The BN output rows of a chunk of group g: consecutive rows, or with RoPE (HALF = head_dim / 2) the
     # rotation pairs (i, i + HALF) of one head side by side, lanes (2j, 2j + 1), so the epilogue has both.
@@ -42,13 +34,12 @@ def _gemv_rows(g, chunk, GS: tl.constexpr, BN: tl.constexpr, HALF: tl.constexpr)
 
 
 @triton.jit
-def _gemv_mn_block(x, w, w_up, lst, n_routed, G, step, end, t, M, K, KS, sxm, swn, GS: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr, HAS_LIVE: tl.constexpr,
-                   HALF: tl.constexpr, EVICT: tl.constexpr):
+def _gemv_mn_block(x, w, w_up, lst, step, end, t, M, K, KS, sxm, swn, GS: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, FUSED: tl.constexpr, HALF: tl.constexpr, EVICT: tl.constexpr):
     # Loads of one step: chunk step // KS (BN rows of one live group), K slice step % KS.
     chunk, k0 = step // KS, (step % KS) * BK
     ok = (step + tl.zeros([BN], tl.int32)) < end
-    g = tl.where(ok, _gemv_group(lst, chunk * BN // GS + tl.zeros([BN], tl.int32), ok, n_routed, G, HAS_LIVE), 0)
+    g = tl.load(lst + chunk * BN // GS + tl.zeros([BN], tl.int32), mask=ok, other=0)  # [BN], all equal
     n = _gemv_rows(g, chunk, GS, BN, HALF)
     kk = k0 + tl.arange(0, BK)
     kok = (kk < K)[None, :]
@@ -100,11 +91,11 @@ def _gemv_qkv_out(q_out, k_dst, v_dst, cos, sin, slot, mask, res, t, g, n, M, G,
 
 
 @triton.jit
-def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, M, N, K, G, GE, sxm, swn, som,
+def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, sxm, swn, som,
                     cos, sin, slot, k_dst, v_dst, NQ, NK, T, sdb, sdh, sdt,
                     GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-                    HAS_LIVE: tl.constexpr, HALF: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr):
+                    HALF: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr):
     """Decode gemm_mn (M <= BT tokens): the weight rows of groups no token runs are never read.
 
     Grid (P,), persistent. The live chunks (BN rows of a live group) are shared out evenly, whole chunks
@@ -116,32 +107,26 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, M, N, K, G,
     are multiplied by each row's scale (ws, wus) in the epilogue, before the SwiGLU. HALF > 0 (Q, K, V of
     a decode step): the epilogue also applies RoPE and writes K and V into the cache (_gemv_qkv_out; out
     is then Q alone, NQ wide), so no separate RoPE launch; twin kernels_step.rope_and_store_ref after
-    kernels.gemm_mn_ref. PDL: see kernels_base.prior_done (the mask and the live list are the previous
+    kernels.gemm_mn_ref. PDL: see kernels_base.prior_done (the mask is the previous
     kernel's). Twin: kernels.gemm_mn_ref.
     """
     prior_done(PDL)
     pid, P = tl.program_id(0), tl.num_programs(0)
     t = tl.arange(0, BT)
-    if HAS_LIVE:
-        # WIDE skip: the router's live list (groups some token of the step runs, ascending, then the dead
-        # ones); a dead group's weight rows are never read
-        n_routed = tl.load(live)
-        lst = live + 1
-    else:
-        gg = tl.arange(0, GP)
-        bits = tl.load(mask + t[:, None] * G + gg[None, :], mask=(t < M)[:, None] & (gg < G)[None, :],
-                       other=0).to(tl.int32)
-        # WIDE skip: the live-group list; a group no token of the step runs is never put on it, so its
-        # weight rows are never read (the dense tail, K and V after Q, is always live)
-        on = ((tl.max(bits, 0) > 0) | ((gg >= G) & (gg < G + GE))).to(tl.int32)
-        dead = tl.where(gg < G + GE, 1 - on, 0)
-        n_routed = tl.sum(on, 0) - GE
-        lst = live_list + pid * GP  # this program's list: live groups ascending, then dead ones
-        tl.store(lst + tl.cumsum(on, 0) - 1, gg, mask=on > 0)
-        tl.store(lst + n_routed + GE + tl.cumsum(dead, 0) - 1, gg, mask=dead > 0)
-        tl.debug_barrier()
+    gg = tl.arange(0, GP)
+    bits = tl.load(mask + t[:, None] * G + gg[None, :], mask=(t < M)[:, None] & (gg < G)[None, :],
+                   other=0).to(tl.int32)
+    # WIDE skip: the live-group list; a group no token of the step runs is never put on it, so its weight
+    # rows are never read (the dense tail, K and V after Q, is always live)
+    live = ((tl.max(bits, 0) > 0) | ((gg >= G) & (gg < G + GE))).to(tl.int32)
+    dead = tl.where(gg < G + GE, 1 - live, 0)
+    n_live = tl.sum(live, 0)
+    lst = live_list + pid * GP  # this program's list: live groups ascending, then dead ones
+    tl.store(lst + tl.cumsum(live, 0) - 1, gg, mask=live > 0)
+    tl.store(lst + n_live + tl.cumsum(dead, 0) - 1, gg, mask=dead > 0)
+    tl.debug_barrier()
     KS = tl.cdiv(K, BK)
-    C = (n_routed + GE) * (GS // BN)  # live chunks, shared out evenly
+    C = n_live * (GS // BN)  # live chunks, shared out evenly
     begin, end = pid * C // P * KS, (pid + 1) * C // P * KS
     if BT == 1:
         acc = tl.zeros([BN], tl.float32)
@@ -149,12 +134,12 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, M, N, K, G,
     else:
         acc = tl.zeros([BT, BN], tl.float32)
         acc_up = tl.zeros([BT, BN], tl.float32)
-    a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_mn_block(x, w, w_up, lst, n_routed, G, begin, end, t, M, K, KS, sxm,
-                                                   swn, GS, BN, BK, FUSED, HAS_LIVE, HALF, EVICT)
+    a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_mn_block(x, w, w_up, lst, begin, end, t, M, K, KS, sxm,
+                                                   swn, GS, BN, BK, FUSED, HALF, EVICT)
     for step in range(begin, end):
         a, b, bu, g, n = a_nx, b_nx, bu_nx, g_nx, n_nx
-        a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_mn_block(x, w, w_up, lst, n_routed, G, step + 1, end, t, M, K, KS,
-                                                       sxm, swn, GS, BN, BK, FUSED, HAS_LIVE, HALF, EVICT)
+        a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_mn_block(x, w, w_up, lst, step + 1, end, t, M, K, KS,
+                                                       sxm, swn, GS, BN, BK, FUSED, HALF, EVICT)
         if BT == 1:
             acc += tl.sum(codes_f32(b, FP8) * a.to(tl.float32), 1)
             if FUSED:
@@ -175,12 +160,9 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live, live_list, M, N, K, G,
                              FUSED, FP8)
             acc = acc * 0.0
             acc_up = acc_up * 0.0
-    D = (G - n_routed) * (GS // BN)  # dead groups' chunks, shared out over all programs: zeros only
-    dead_at = lst + n_routed  # where the list's dead groups start
-    if not HAS_LIVE:
-        dead_at += GE
+    D = (G + GE - n_live) * (GS // BN)  # dead groups' chunks, shared out the same way: zeros only
     for c in range(pid * D // P, (pid + 1) * D // P):
-        n = _gemv_rows(tl.load(dead_at + c * BN // GS), c, GS, BN, HALF)
+        n = _gemv_rows(tl.load(lst + n_live + c * BN // GS), c, GS, BN, HALF)
         tl.store(out + t[:, None] * som + n[None, :], tl.zeros([BT, BN], out.dtype.element_ty),
                  mask=(t < M)[:, None])
 
@@ -197,10 +179,10 @@ class Rope(NamedTuple):
     tokens_per_row: int    # T of the step (M = B * T)
 
 
-def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, live=None, rope=None):
+def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope=None):
     """Launch _gemv_mn_kernel for kernels.gemm_mn (x [M <= 16, K]; mask uint8 [M, G]; out [M, N]; ws, wus the
-    fp8 scales or placeholders). live: the router's live list, int32 [1 + G]. rope (a Rope): w is Q, K, V;
-    the epilogue rotates Q and K and writes K and V into the cache; returns Q [M, n_q], rotated."""
+    fp8 scales or placeholders). rope (a Rope): w is Q, K, V; the epilogue rotates Q and K and writes K and V
+    into the cache; returns Q [M, n_q], rotated."""
     M, K = x.shape
     N = w.shape[0]
     fused, fp8 = w_up is not w, ws is not x
@@ -210,8 +192,7 @@ def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, live
     GP = max(2, triton.next_power_of_2(G + GE))
     BN = pow2_divisor(group_size, cfg["BN"])
     BT = 1 if M == 1 else GEMV_MAX_TOKENS
-    assert live is None or live.numel() == 1 + G, "live: the router's count, then its G groups"
-    live_list = empty((P, GP) if live is None else (1,), torch.int32, x.device)  # lists built in the kernel
+    live_list = empty((P, GP), torch.int32, x.device)  # each program's list of the live groups
     half, kc, vc, d = 0, x, x, 0
     if rope is not None:
         kc, vc = rope.k_cache, rope.v_cache
@@ -221,12 +202,12 @@ def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, live
         assert BN >= 2 and kc.stride() == vc.stride() and kc.stride(-1) == 1, "RoPE pairs need 2 lanes a chunk"
         half, out = d // 2, empty((M, rope.n_q), x.dtype, x.device)
     cos, sin, slot = (rope.cos, rope.sin, rope.slot) if rope is not None else (x, x, x)
-    _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, mask, mask if live is None else live, live_list,
+    _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, mask, live_list,
                           M, N, K, G, GE, x.stride(0), w.stride(0), out.stride(0),
                           cos, sin, slot, kc, vc, rope.n_q if rope else 0, rope.n_k if rope else 0,
                           rope.tokens_per_row if rope else 1, kc.stride(0), kc.stride(1) if rope else 0,
                           kc.stride(2) if rope else 0, GS=group_size, GP=GP,
                           BT=BT, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8, IEEE=x.dtype == torch.float32,
-                          HAS_LIVE=live is not None, HALF=half, EVICT=cfg.get("evict", ""), **launch_args(cfg),
+                          HALF=half, EVICT=cfg.get("evict", ""), **launch_args(cfg),
                           **pdl_args(x.device))
     return out

@@ -123,7 +123,7 @@ def with_layout(mask, config, tokens):
 
 
 def router_lists(T):
-    """mask -> what the decode kernels read in the engine besides the mask: norm_route's live list of it, for a
+    """mask -> what gemm_k's decode tile reads in the engine besides the mask: norm_route's live list of it, for a
     step of one token tile (else None). The router kernel writes it, so its time is the router's (the step
     profile's norm + router rows); here each mask's list is made once, outside the timed calls."""
     made = {}  # id(mask) -> (mask, list); holding the mask keeps its id from being reused
@@ -154,13 +154,12 @@ def case_gate_up(s, T, fp8=False):
     wgu = weights(s, 2 * I, D, copies)  # the dense side's fused [gate; up] weight; WIDE reads its halves
     wq = fp8_copies(wgu, fp8)
     x = torch.randn(T, D, device=s.device, dtype=s.dtype)
-    lives = router_lists(T)
 
     def sparse(mask, i, config=None):
         m, cfg = with_layout(mask, config, T)
         (w, sc) = wq[i]
         return kernels.gemm_mn(x, w[:I], m, gs, w_up=w[I:], config=cfg, w_scale=None if sc is None else sc[:I],
-                               w_up_scale=None if sc is None else sc[I:], live=lives(mask))
+                               w_up_scale=None if sc is None else sc[I:])
 
     def reference(mask):  # fp8: the twin dequantizes (to x's fp32)
         w, sc = wq[0]
@@ -188,15 +187,13 @@ def case_q(s, T, with_kv, fp8=False):
     wq = fp8_copies(w, fp8)
     x = torch.randn(T, D, device=s.device, dtype=s.dtype)
     assert not fp8 or (with_kv and T <= GEMV_MAX_TOKENS), "fp8: the decode stream (Q with K/V) only"
-    lives = router_lists(T)
 
     def sparse(mask, i, config=None):
         m, cfg = with_layout(mask, config, T)
         if with_kv and T <= GEMV_MAX_TOKENS:  # decode: one stream, K/V as always-live groups (engine.py)
-            qkv = kernels.gemm_mn(x, wq[i][0], m, gs, config=cfg, dense_tail=N - NQ, w_scale=wq[i][1],
-                                  live=lives(mask))
+            qkv = kernels.gemm_mn(x, wq[i][0], m, gs, config=cfg, dense_tail=N - NQ, w_scale=wq[i][1])
             return qkv[:, :NQ], qkv[:, NQ:]
-        q = kernels.gemm_mn(x, w[i][:NQ], m, gs, config=cfg, live=lives(mask))
+        q = kernels.gemm_mn(x, w[i][:NQ], m, gs, config=cfg)
         return (q, F.linear(x, w[i][NQ:])) if with_kv else q
 
     def reference(mask):

@@ -142,10 +142,9 @@ def test_decode_gemm_mn_computes_a_dense_tail_after_the_routed_groups(M, p_on):
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "gate+up"])
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("per_sm", [1, 3, 5])  # 2, 6, 10 programs (two "SMs" under the interpreter)
-@pytest.mark.parametrize("with_live", [False, True], ids=["own list", "router's list"])
-def test_decode_gemv_over_the_routers_live_list_or_its_own_matches_twin(with_live, per_sm, M, fused, fp8):
+def test_decode_gemv_shares_the_live_chunks_over_any_number_of_programs_and_matches_twin(per_sm, M, fused, fp8):
     # The programs share the live chunks out, whole chunks each (some get none when there are more programs
-    # than chunks); the groups come from the router's live list or from each program's own scan of the mask.
+    # than chunks).
     gen = torch.Generator().manual_seed(30 + per_sm + M)
     G, GS, K, tail = 5, 16, 80, 16  # K = 80 in slices of 32: three steps per chunk, the last one short
     x = randn(M, K, gen=gen)
@@ -157,9 +156,8 @@ def test_decode_gemv_over_the_routers_live_list_or_its_own_matches_twin(with_liv
     if fp8:
         w, ws = kernels.quantize_fp8(w)
         w_up, wus = kernels.quantize_fp8(w_up) if fused else (None, None)
-    live = kernels_step.live_ref(mask) if with_live else None
     out = kernels.gemm_mn(x, w, mask, GS, w_up=w_up, dense_tail=tail, w_scale=ws, w_up_scale=wus,
-                          config=dict(programs_per_sm=per_sm, BN=8, BK=32), live=live)
+                          config=dict(programs_per_sm=per_sm, BN=8, BK=32))
     assert_close(out, kernels.gemm_mn_ref(x, w, mask, GS, w_up=w_up, dense_tail=tail, w_scale=ws, w_up_scale=wus))
 
 
@@ -359,7 +357,9 @@ def test_fuzz_random_shapes_and_masks():
 
 # ---------------------------------------------------------------------------------- GPU, bf16
 def rel_err(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    # relative to the reference; against an all-zero reference (every group skipped), the largest |out|
+    diff = (out.float() - ref.float()).norm()
+    return (diff / ref.float().norm() if ref.abs().max() > 0 else out.float().abs().max()).item()
 
 
 @GPU
@@ -383,7 +383,7 @@ def test_gpu_bf16_gemms(M):
 @GPU
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("shape", ["gate+up", "qkv"])
-def test_gpu_one_token_gemv_mn_at_full_size_matches_twin_with_and_without_the_live_list(fp8, shape):
+def test_gpu_one_token_gemv_mn_at_full_size_matches_twin(fp8, shape):
     # The decode GEMV at the Llama-3.1-8B shapes (hundreds of programs); each mask twice.
     torch.manual_seed(7)
     D, (N, gs, tail, fused) = 4096, {"gate+up": (14336, 128, 0, True), "qkv": (6144, 512, 2048, False)}[shape]
@@ -395,8 +395,8 @@ def test_gpu_one_token_gemv_mn_at_full_size_matches_twin_with_and_without_the_li
         mask = torch.rand(1, (N - tail) // gs, device="cuda") < p_on
         ref = kernels.gemm_mn_ref(x.float(), w if fp8 else w.float(), mask, gs, None if wu is None else
                                   (wu if fp8 else wu.float()), dense_tail=tail, w_scale=ws, w_up_scale=wus)
-        for live in (None, kernels_step.live_ref(mask), None, kernels_step.live_ref(mask)):
-            out = kernels.gemm_mn(x, w, mask, gs, w_up=wu, dense_tail=tail, w_scale=ws, w_up_scale=wus, live=live)
+        for _ in range(2):
+            out = kernels.gemm_mn(x, w, mask, gs, w_up=wu, dense_tail=tail, w_scale=ws, w_up_scale=wus)
             assert rel_err(out, ref) <= 1e-2, (p_on, rel_err(out, ref))
 
 

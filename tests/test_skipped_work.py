@@ -20,10 +20,10 @@ What is pinned (GS = 16 channels per group; "live" = some token of the step, or 
   gemm_mn, sorted tiles (M > GEMV_MAX_TOKENS): group g's weight rows are read exactly once per live token tile of
       g, so never for a group no token runs and never by a dead tile; x row t once per group t runs.
   gemm_mn, decode GEMV (M <= 16): each weight row (and fp8 scale) of a live group or of the dense tail
-      is read exactly once, with any number of programs and when the groups come from the router's
-      live list; a dead group's rows never.
-  gemm_k (decode with its split, short and long K; and the token tiles): group g's weight columns are
-      read once per token tile in which g is live, never otherwise; a pruned a-slot is never read.
+      is read exactly once, with any number of programs; a dead group's rows never.
+  gemm_k (decode with its split, short and long K, its groups from its own scan or the router's live
+      list; and the token tiles): group g's weight columns are read once per token tile in which g is
+      live, never otherwise; a pruned a-slot is never read.
   attention_prefill: q[b, h, t] is read once if token t runs h's group, else never; the K/V of
       (b, KV head) are read up to the last active token of its query heads, and not at all if none is.
   attention_decode: K/V[b, KV head, pos] is read once if some query head of that KV head runs and
@@ -200,18 +200,16 @@ def test_gemm_mn_tiles_read_a_groups_weight_rows_once_per_live_tile_and_never_fo
 
 
 @pytest.mark.parametrize("runs", ["default", "many programs"])  # 10 programs, some with no chunk
-@pytest.mark.parametrize("source", ["own list", "router's list"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("kind", KINDS)
-def test_decode_gemv_never_reads_the_rows_of_a_dead_group(kind, M, fmt, source, runs):
+def test_decode_gemv_never_reads_the_rows_of_a_dead_group(kind, M, fmt, runs):
     K, G = 64, 6
     mask = step_mask(kind, M, G)
     w, ws = weight(fmt, G * GS, K)
-    live = kernels_step.live_ref(mask) if source == "router's list" else None
     cfg = dict(programs_per_sm=5, BN=4, BK=32) if runs == "many programs" else None
     with recorded_loads() as rec:
-        kernels.gemm_mn(randn(M, K), w, mask, GS, w_scale=ws, live=live, config=cfg)
+        kernels.gemm_mn(randn(M, K), w, mask, GS, w_scale=ws, config=cfg)
     live = mask.any(0).long()  # [G]: some token of the step runs the group
     assert torch.equal(rec.reads("_gemv_mn_kernel", "w"), per_row(live, K)), "each live row once, dead rows never"
     if fmt == "fp8":
