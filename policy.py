@@ -47,8 +47,8 @@ KINDS = {
     "norm_route": "RMSNorm + the router in one launch (norm_route), residual add fused",
     "norm_then_router": "RMSNorm (rms_norm), then the router module itself (two fp32 GEMMs)",
     "layout": "mask reordering: per group, its live tokens first (layout + work list)",
-    "gemv": "the live groups' weight rows only (gemm_mn's decode GEMV, the router's live list); K and V as its dense "
-            "tail; RoPE and the KV-cache write in its epilogue",
+    "gemv": "the live groups' weight rows only (gemm_mn's decode GEMV, its live-group list); K and V as its dense tail; "
+            "RoPE and the KV-cache write in its epilogue",
     "gemv_all": "every row as the dense tail of gemm_mn's decode GEMV (the dense model through WIDE's kernel); RoPE and "
                 "the KV-cache write in its epilogue",
     "tiles": "Q's live (group, token-tile) items only (gemm_mn, sorted tiles); K and V in one cuBLAS GEMM",
@@ -67,7 +67,8 @@ KINDS = {
     "gemv_fused": "gate+up over the live channel groups only, silu(gate)*up in the epilogue (gemm_mn's decode GEMV)",
     "gemv_fused_all": "gate+up, every group as the dense tail of gemm_mn's decode GEMV, silu(gate)*up in the epilogue",
     "tiles_fused": "gate+up over the live (group, token-tile) items, silu(gate)*up in the epilogue (gemm_mn)",
-    "gemm_k": "the live groups' weight columns only (gemm_k), residual add in the epilogue",
+    "gemm_k": "the live groups' weight columns only (gemm_k; a decode step's from the router's live list), residual add "
+              "in the epilogue",
     "gemm_k_all": "gemm_k with every group live (the dense model through WIDE's kernel), residual fused",
     "embed": "embedding lookup",
 }

@@ -193,7 +193,7 @@ def test_the_printed_plan_names_every_op_where_it_runs():
     for name in ("Q, K, V", "attention", "O proj", "gate + up", "down proj", "lm_head"):
         assert name in prefill and name in decode
     assert "cuBLAS         one cuBLAS GEMM on the masked input" in prefill  # O and down at 74 tokens
-    assert "gemm_mn's decode GEMV, the router's live list" in decode and "only the KV heads whose head group runs" in decode
+    assert "gemm_mn's decode GEMV, its live-group list" in decode and "router's live list" in decode and "only the KV heads whose head group runs" in decode
     assert "RoPE and the KV-cache write in its epilogue" in decode and "RoPE + cache" in prefill  # one launch fewer
     dense8 = engine.Engine(wide_model(routers=False)).step_plan(8, True)  # no FFN router: no rule to print
     assert not dense8.shape.dense_ffn and "batch rule" not in dense8.text()
