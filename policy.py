@@ -67,8 +67,8 @@ KINDS = {
     "gemv_fused": "gate+up over the live channel groups only, silu(gate)*up in the epilogue (gemm_mn's decode GEMV)",
     "gemv_fused_all": "gate+up, every group as the dense tail of gemm_mn's decode GEMV, silu(gate)*up in the epilogue",
     "tiles_fused": "gate+up over the live (group, token-tile) items, silu(gate)*up in the epilogue (gemm_mn)",
-    "gemm_k": "the live groups' weight columns only (gemm_k; a decode step's from the router's live list), residual add "
-              "in the epilogue",
+    "gemm_k": "the live groups' weight columns only (gemm_k; few tokens: from the router's live list), residual add in "
+              "the epilogue",
     "gemm_k_all": "gemm_k with every group live (the dense model through WIDE's kernel), residual fused",
     "embed": "embedding lookup",
 }
