@@ -43,6 +43,7 @@ import triton.runtime.interpreter as interpreter
 import kernels
 import kernels_attention
 import kernels_base
+import kernels_gemv
 import kernels_layout
 import kernels_step
 
@@ -238,6 +239,22 @@ def test_decode_gemv_reads_the_dense_tail_once_and_still_skips_the_dead_groups_b
     w, ws = weight(fmt, G * GS + tail, K)
     with recorded_loads() as rec:
         kernels.gemm_mn(randn(M, K), w, mask, GS, dense_tail=tail, w_scale=ws)
+    live = torch.cat([mask.any(0).long(), torch.ones(tail // GS, dtype=torch.long)])
+    assert torch.equal(rec.reads("_gemv_mn_kernel", "w"), per_row(live, K))
+
+
+@pytest.mark.parametrize("kind", ["some groups dead", "all off"])
+def test_qkv_gemv_with_rope_in_its_epilogue_still_never_reads_a_dead_groups_rows(kind):
+    # Q, K, V of a decode step with RoPE and the cache write fused: the epilogue reads cos, sin and the slot,
+    # never more weights; Q's dead groups stay unread, K and V (the dense tail) are read once.
+    M, K, G, d, Hkv = 1, 32, 4, 16, 2
+    mask = step_mask(kind, M, G)
+    tail = 2 * Hkv * d
+    w, _ = weight("fp32", G * GS + tail, K)
+    kc, vc = torch.zeros(1, Hkv, 8, d), torch.zeros(1, Hkv, 8, d)
+    rope = kernels_gemv.Rope(randn(M, d, seed=3), randn(M, d, seed=4), torch.tensor([5]), kc, vc, G * GS, Hkv * d, 1)
+    with recorded_loads() as rec:
+        kernels.gemm_mn(randn(M, K), w, mask, GS, dense_tail=tail, rope=rope)
     live = torch.cat([mask.any(0).long(), torch.ones(tail // GS, dtype=torch.long)])
     assert torch.equal(rec.reads("_gemv_mn_kernel", "w"), per_row(live, K))
 
