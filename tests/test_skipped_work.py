@@ -205,6 +205,8 @@ def test_gemm_mn_tiles_read_a_groups_weight_rows_once_per_live_tile_and_never_fo
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("kind", KINDS)
 def test_decode_gemv_never_reads_the_rows_of_a_dead_group(kind, M, fmt, runs):
+    if runs == "many programs" and (fmt, kind) != ("fp32", "some groups dead"):
+        pytest.skip("the program count changes only how chunks are shared out: one format and mask suffice")
     K, G = 64, 6
     mask = step_mask(kind, M, G)
     w, ws = weight(fmt, G * GS, K)
@@ -272,6 +274,8 @@ def test_decode_gemm_k_never_reads_the_weight_columns_of_a_group_no_token_runs(k
     G, N = K // GS, 64
     mask = step_mask(kind, M, G)
     w, ws = weight(fmt, N, K)
+    if source == "router's list" and long_k:
+        pytest.skip("the router's list replaces the same scan in both K variants: one suffices")
     live = kernels_step.live_ref(mask) if source == "router's list" else None
     with recorded_loads() as rec:
         kernels.gemm_k(randn(M, K), w, mask, GS, w_scale=ws, live=live)
