@@ -249,9 +249,7 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, 
         gg = tl.arange(0, GP)
         bits = tl.load(mask + rows[:, None] * G + gg[None, :], mask=rok[:, None] & (gg < G)[None, :],
                        other=0).to(tl.int32)
-        # WIDE skip: only the groups some token of this tile runs are visited; the others' weight columns
-        # are never read
-        on = (tl.max(bits, 0) > 0).to(tl.int32)
+        on = (tl.max(bits, 0) > 0).to(tl.int32)  # the groups some token of this tile runs
         n_live = tl.sum(on, 0)
         lst = live_list + (pid * SPLIT + split) * GP
         if n_live < G:  # compact the live groups once into this program's scratch row
@@ -264,7 +262,8 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, 
             acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G,
                                sam, swn, GS, BM, BK, IEEE, F16)
     else:
-        # Only the listed groups are visited (block skip): a dead group's weight columns are never read.
+        # WIDE skip: only the listed groups (some token of the tile runs them) are visited; a dead group's
+        # weight columns are never read
         per = tl.cdiv(n_live, SPLIT)
         for it in range(split * per * STEPS, tl.minimum(split * per + per, n_live) * STEPS):
             acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),

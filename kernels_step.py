@@ -259,7 +259,7 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
             tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)
             any_run = any_run | run.to(tl.int32)
         if LIVE:
-            # WIDE skip: the live list, built once per router decision; the decode GEMVs stream only its groups
+            # The live list, built once per router decision: gemm_k's decode tile visits only its groups
             on = tl.where(g < G, any_run, 0)
             off = tl.where(g < G, 1 - any_run, 0)
             n_live = tl.sum(on, 0)
