@@ -261,8 +261,9 @@ class Engine:
         return w, None
 
     def attention(self, layer, ops, x, step, head_mask, head_live, residual):
-        """Attention with head_mask bool [B, T, G] or None (dense), head_live its live list (or None). Returns residual + attention where the
-        O projection runs in Triton (its kernel adds the residual in its epilogue), else attention alone."""
+        """Attention with head_mask bool [B, T, G] or None (dense), head_live its live list (or None). Returns
+        residual + attention where the O projection runs in Triton (its kernel adds the residual in its
+        epilogue), else attention alone."""
         attn = layer.self_attn
         B, T, _ = x.shape
         M, H, Hkv, d = B * T, attn.n_heads, attn.n_kv_heads, attn.head_dim

@@ -167,6 +167,8 @@ def test_decode_gemm_k_with_the_routers_live_list_matches_twin(M, p_on):
     gen = torch.Generator().manual_seed(40 + M)
     a, w = randn(M, 6 * 16, gen=gen), randn(24, 6 * 16, gen=gen)
     mask = make_mask((M, 6), p_on, gen)
+    if p_on == 0.5:
+        mask[:, ::2] = False  # groups no token runs, at any M: the kernel takes the list's groups, not all
     res = randn(M, 24, gen=gen)
     out = kernels.gemm_k(a, w, mask, 16, residual=res, live=kernels_step.live_ref(mask))
     assert_close(out, kernels.gemm_k_ref(a, w, mask, 16, residual=res))
