@@ -167,36 +167,10 @@ def attention_decode_ref(q, k_cache, v_cache, head_mask, kv_len):
 
 
 @triton.jit
-def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, NP, TARGET,
-                        sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
-                        HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, H2: tl.constexpr,
-                        BJ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr,
-                        D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    """Split-KV decode attention (one query token per row) over a work list of live items only.
-
-    The work is a list of items (row b, KV head, chunk of that row's cached keys), built in every
-    program from the head mask and kv_len (a few hundred values): pairs (b, KV head) none of whose query
-    heads run get no item, and each live pair's kv_len[b] keys are cut into chunks of CH keys, CH chosen
-    so that the whole step has about TARGET items. So the work spreads evenly over the GPU whatever the
-    mask and the rows' lengths (a skipped head or a short row costs no program), and only live K/V are
-    read. Grid (NP + B): programs 0..NP-1 take item pid if it exists; program NP + b writes the zeros of
-    row b's skipped heads. A program owns its KV head's HPK query heads as rows (padded to BH).
-    The merge is in the same launch: a pair cut into several chunks stores each chunk's normalised partial
-    and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (in chunk order,
-    so the result does not depend on which finished last) and resets the ticket. At most MC chunks per pair
-    (longer chunks instead), so that merge stays short. PDL: see kernels_base.prior_done.
-    Twin: attention_decode_ref.
-    """
-    prior_done(PDL)
-    pid = tl.program_id(0)
-    dd = tl.arange(0, D)
-    if pid >= NP:  # row b's heads whose group does not run get exact zeros (O's cuBLAS GEMM reads them)
-        b = pid - NP
-        hh = tl.arange(0, H2)
-        on = tl.load(head_mask + b * G + hh // HPG, mask=hh < HKV * HPK, other=1)
-        tl.store(o + b * sob + hh[:, None] * soh + dd[None, :], tl.zeros([H2, D], o.dtype.element_ty),
-                 mask=(on == 0)[:, None])
-        return
+def _decode_work(head_mask, kv_len, pid, B, G, TARGET, HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr,
+                 BJ: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr):
+    # The work list of a decode step (see _attn_decode_kernel), built in every program from the head mask and
+    # kv_len: (items in all, live pairs, item pid's pair, that pair's first item and item count, pid's keys).
     j = tl.arange(0, BJ)  # pair j: row j // HKV, KV head j % HKV
     jok = j < B * HKV
     live = tl.zeros([BJ], tl.int32)
@@ -205,21 +179,28 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     # WIDE skip: a KV head none of whose query-head groups runs for row b gets no work item, so its K/V
     # are never read
     n = tl.where(live > 0, tl.load(kv_len + j // HKV, mask=jok, other=0), 0)
-    # chunks of whole key blocks, about TARGET items in all, at most MC per pair (the merge reads them in turn)
+    # chunks of whole key blocks, about TARGET items in all, at most MC per pair
     ch = tl.maximum(tl.maximum(tl.cdiv(tl.cdiv(tl.sum(n, 0), TARGET), BN), tl.cdiv(tl.cdiv(tl.max(n, 0), MC), BN)),
                     1) * BN
     cnt = tl.cdiv(n, ch)
     cum = tl.cumsum(cnt, 0)
-    if pid >= tl.sum(cnt, 0):
-        return
-    pj = tl.sum((cum <= pid).to(tl.int32), 0)  # the pair this item belongs to
+    pj = tl.sum((cum <= pid).to(tl.int32), 0)  # the pair item pid belongs to
     sel = j == pj
     first = tl.sum(tl.where(sel, cum - cnt, 0), 0)
-    items = tl.sum(tl.where(sel, cnt, 0), 0)
-    end_all = tl.sum(tl.where(sel, n, 0), 0)
-    b, hk = pj // HKV, pj % HKV
     start = (pid - first) * ch
-    end = tl.minimum(start + ch, end_all)
+    end = tl.minimum(start + ch, tl.sum(tl.where(sel, n, 0), 0))
+    return tl.sum(cnt, 0), tl.sum((n > 0).to(tl.int32), 0), pj, first, tl.sum(tl.where(sel, cnt, 0), 0), start, end
+
+
+@triton.jit
+def _decode_attend(q, k, v, head_mask, po, plse, tickets, o, pid, pj, first, items, start, end, G,
+                   sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
+                   HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, BH: tl.constexpr, BHM: tl.constexpr,
+                   BN: tl.constexpr, MB: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+    # Work item pid: keys [start, end) of pair pj for its live query heads. Returns 1 if this program wrote
+    # the pair's outputs (its only item, or the last of its items to finish, which merges them), else 0.
+    dd = tl.arange(0, D)
+    b, hk = pj // HKV, pj % HKV
     r = tl.arange(0, BH)
     head = hk * HPK + r
     act = (r < HPK) & (tl.load(head_mask + b * G + head // HPG, mask=r < HPK, other=0) > 0)
@@ -236,30 +217,81 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     for t0 in range(full, end, BN):
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
                                     BN, D, True, IEEE)
-    optr = o + b * sob + head[:, None] * soh + dd[None, :]
+    finished = items == 1
     if items == 1:  # the pair's keys in one chunk: nothing to merge
-        tl.store(optr, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=act[:, None])
+        tl.store(o + b * sob + head[:, None] * soh + dd[None, :], (acc / l_i[:, None]).to(o.dtype.element_ty),
+                 mask=act[:, None])
+    else:
+        row = pid * HPK + r
+        tl.store(po + row[:, None] * D + dd[None, :], acc / l_i[:, None], mask=(r < HPK)[:, None])
+        tl.store(plse + row, m_i + tl.log2(l_i), mask=r < HPK)
+        tl.debug_barrier()  # this program's partial is stored before its ticket is taken (release)
+        finished = tl.atomic_add(tickets + pj, 1) == items - 1
+        if finished:
+            tl.atomic_xchg(tickets + pj, 0)  # the pair's last program: reset the ticket, then merge
+            # The pair's partials MB chunks at a time, each block in one load: the loads of a block are in
+            # flight together, where one chunk after another would pay a cache round trip per chunk.
+            rm = tl.arange(0, BHM)
+            c = tl.arange(0, MB)
+            m = tl.full([BHM], float("-inf"), tl.float32)
+            l = tl.zeros([BHM], tl.float32)
+            out = tl.zeros([BHM, D], tl.float32)
+            for c0 in range(first, first + items, MB):
+                cok = (c0 + c < first + items)[:, None] & (rm < HPK)[None, :]  # [MB, BHM]
+                crow = (c0 + c)[:, None] * HPK + rm[None, :]
+                lse = tl.load(plse + crow, mask=cok, other=float("-inf"), cache_modifier=".cg")
+                part = tl.load(po + crow[:, :, None] * D + dd[None, None, :], mask=cok[:, :, None], other=0.0,
+                               cache_modifier=".cg")
+                m_new = tl.maximum(m, tl.max(lse, 0))
+                wgt = tl.exp2(lse - m_new[None, :])  # [MB, BHM]; masked chunks weigh 0
+                old = tl.exp2(m - m_new)
+                out = out * old[:, None] + tl.sum(wgt[:, :, None] * part, 0)
+                l = l * old + tl.sum(wgt, 0)
+                m = m_new
+            hm = hk * HPK + rm
+            actm = (rm < HPK) & (tl.load(head_mask + b * G + hm // HPG, mask=rm < HPK, other=0) > 0)
+            tl.store(o + b * sob + hm[:, None] * soh + dd[None, :], (out / l[:, None]).to(o.dtype.element_ty),
+                     mask=actm[:, None])
+    return finished.to(tl.int32)
+
+
+@triton.jit
+def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, NP, TARGET,
+                        sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
+                        HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, H2: tl.constexpr,
+                        BJ: tl.constexpr, BH: tl.constexpr, BHM: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr,
+                        MB: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """Split-KV decode attention (one query token per row) over a work list of live items only.
+
+    The work is a list of items (row b, KV head, chunk of that row's cached keys), built in every
+    program from the head mask and kv_len (a few hundred values): pairs (b, KV head) none of whose query
+    heads run get no item, and each live pair's kv_len[b] keys are cut into chunks of CH keys, CH chosen
+    so that the whole step has about TARGET items. So the work spreads evenly over the GPU whatever the
+    mask and the rows' lengths (a skipped head or a short row costs no program), and only live K/V are
+    read. Grid (NP + B): programs 0..NP-1 take item pid if it exists; program NP + b writes the zeros of
+    row b's skipped heads. A program owns its KV head's HPK query heads as rows (padded to BH).
+    The merge is in the same launch: a pair cut into several chunks stores each chunk's normalised partial
+    and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (in chunk order,
+    MB chunks per load, so the result does not depend on which finished last) and resets the ticket. At
+    most MC chunks per pair (longer chunks instead). PDL: see kernels_base.prior_done.
+    Twin: attention_decode_ref.
+    """
+    prior_done(PDL)
+    pid = tl.program_id(0)
+    dd = tl.arange(0, D)
+    if pid >= NP:  # row b's heads whose group does not run get exact zeros (O's cuBLAS GEMM reads them)
+        b = pid - NP
+        hh = tl.arange(0, H2)
+        on = tl.load(head_mask + b * G + hh // HPG, mask=hh < HKV * HPK, other=1)
+        tl.store(o + b * sob + hh[:, None] * soh + dd[None, :], tl.zeros([H2, D], o.dtype.element_ty),
+                 mask=(on == 0)[:, None])
         return
-    row = pid * HPK + r
-    tl.store(po + row[:, None] * D + dd[None, :], acc / l_i[:, None], mask=(r < HPK)[:, None])
-    tl.store(plse + row, m_i + tl.log2(l_i), mask=r < HPK)
-    tl.debug_barrier()  # this program's partial is stored before its ticket is taken (release)
-    if tl.atomic_add(tickets + pj, 1) != items - 1:
-        return
-    tl.atomic_xchg(tickets + pj, 0)  # the pair's last program: reset the ticket, then merge
-    m = tl.full([BH], float("-inf"), tl.float32)  # the pair's chunks in order, one partial at a time:
-    l = tl.zeros([BH], tl.float32)                 # a merge over all MC at once would hold them all in
-    acc = tl.zeros([BH, D], tl.float32)            # registers for the whole kernel and cost it occupancy
-    for it in range(first, first + items):
-        crow = it * HPK + r
-        lse = tl.load(plse + crow, mask=r < HPK, other=0.0, cache_modifier=".cg")
-        part = tl.load(po + crow[:, None] * D + dd[None, :], mask=(r < HPK)[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        old, wgt = tl.exp2(m - m_new), tl.exp2(lse - m_new)
-        acc = acc * old[:, None] + wgt[:, None] * part
-        l = l * old + wgt
-        m = m_new
-    tl.store(optr, (acc / l[:, None]).to(o.dtype.element_ty), mask=act[:, None])
+    n_items, n_pairs, pj, first, items, start, end = _decode_work(head_mask, kv_len, pid, B, G, TARGET,
+                                                                  HKV, HPK, HPG, BJ, BN, MC)
+    if pid < n_items:
+        _decode_attend(q, k, v, head_mask, po, plse, tickets, o, pid, pj, first, items, start, end, G,
+                       sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale, HKV, HPK, HPG, BH, BHM, BN,
+                       MB, D, IEEE)
 
 
 def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, tickets=None):
@@ -294,6 +326,124 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, ticket
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
         (1.0 / math.sqrt(D)) * 1.4426950408889634, HKV=Hkv, HPK=hpk, HPG=H // G,
         H2=triton.next_power_of_2(H), BJ=max(2, triton.next_power_of_2(B * Hkv)),
-        BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"], D=D,
+        BH=max(16, triton.next_power_of_2(hpk)), BHM=triton.next_power_of_2(hpk), BN=cfg["BN"],
+        MC=cfg["max_chunks"], MB=min(cfg["merge_block"], cfg["max_chunks"]), D=D,
         IEEE=q.dtype == torch.float32, **launch_args(cfg), **pdl_args(q.device))
     return o
+
+
+
+def attention_decode_o_ref(q, k_cache, v_cache, head_mask, kv_len, wo, residual):
+    """residual + O(attention) of a decode step: attention_decode_ref rounded to the model dtype, then the
+    live head groups' O columns (kernels.gemm_k_ref's meaning, its pruned inputs exact zeros)."""
+    B, H, _, D = q.shape
+    y = attention_decode_ref(q, k_cache, v_cache, head_mask, kv_len).to(q.dtype).reshape(B, H * D)
+    return residual + y @ wo.t()
+
+
+@triton.jit
+def _attn_decode_o_kernel(q, k, v, head_mask, kv_len, live, wo, res, po, plse, tickets, y, out,
+                          G, NP, NO, N, TARGET, swo, sqh, skh, skt, svh, svt, qk_scale,
+                          HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, BJ: tl.constexpr,
+                          BH: tl.constexpr, BHM: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr,
+                          MB: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, GSP: tl.constexpr,
+                          BNO: tl.constexpr, PRE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """Decode attention of one row and its O projection in one launch: out = res + O(attention).
+
+    O is pruned by exactly the attention's head groups: the output is a sum over the live groups of (the
+    group's attention output, GS values) x (its GS columns of wo). So the launch has two kinds of program:
+      0 .. NP-1   the attention's work items, as _attn_decode_kernel's (_decode_work, _decode_attend), into
+                  y (the live heads' outputs, in the model dtype); the program that finishes a (row, KV head)
+                  pair adds one to the pairs-done count, tickets[HKV].
+      NP .. +NO   O: BNO output rows each, over the live groups of the router's live list. Before the PDL
+                  wait (wo and the list are never written by the kernel before this one) a program loads its
+                  rows of the first PRE live groups' columns, so those weight bytes stream while attention
+                  runs; after the wait it spins until every live pair is done, then reads y, the rest of
+                  its columns and the residual, and writes its rows.
+    The O programs wait on the attention's: that is deadlock-free because programs start in program-id
+    order, so every attention item has started (and never waits on anything) before any O program runs.
+    The last O program to finish resets the count (tickets[HKV], tickets[HKV + 1]) to zero. A dead group's
+    weight columns and y are never read. PDL: see kernels_base.prior_done. Twin: attention_decode_o_ref.
+    """
+    pid = tl.program_id(0)
+    oid = pid - NP
+    rows = oid * BNO + tl.arange(0, BNO)
+    rok = (rows >= 0) & (rows < N)  # attention programs (oid < 0) load nothing before the wait
+    gi = tl.arange(0, PRE)
+    cc = tl.arange(0, GSP)
+    n_live = tl.sum(tl.load(live + gi * 0, mask=(gi + oid * PRE >= 0) & (gi == 0), other=0), 0)
+    pre = tl.load(live + 1 + gi, mask=gi < n_live, other=0)
+    # WIDE skip: O reads only the live groups' columns (dead groups' y is never written or read)
+    w0 = tl.load(wo + rows[None, :, None] * swo + pre[:, None, None] * GS + cc[None, None, :],
+                 mask=(gi < n_live)[:, None, None] & rok[None, :, None] & (cc < GS)[None, None, :], other=0.0)
+    prior_done(PDL)
+    n_items, n_pairs, pj, first, items, start, end = _decode_work(head_mask, kv_len, pid, 1, G, TARGET,
+                                                                  HKV, HPK, HPG, BJ, BN, MC)
+    if oid < 0:
+        if pid < n_items:
+            done = _decode_attend(q, k, v, head_mask, po, plse, tickets, y, pid, pj, first, items, start, end, G,
+                                  0, sqh, 0, skh, skt, 0, svh, svt, 0, D, qk_scale, HKV, HPK, HPG, BH, BHM, BN,
+                                  MB, D, IEEE)
+            tl.debug_barrier()  # the pair's y is stored before it is counted done (release)
+            if done > 0:
+                tl.atomic_add(tickets + HKV, 1)
+    else:
+        seen = tl.atomic_add(tickets + HKV, 0)
+        while seen < n_pairs:
+            seen = tl.atomic_add(tickets + HKV, 0)
+        pok = gi < n_live
+        yv = tl.load(y + pre[:, None] * GS + cc[None, :], mask=pok[:, None] & (cc < GS)[None, :], other=0.0,
+                     cache_modifier=".cg")
+        acc = tl.sum(tl.sum(w0.to(tl.float32) * yv.to(tl.float32)[:, None, :], 2), 0)
+        for i0 in range(PRE, n_live, PRE):
+            gok = i0 + gi < n_live
+            g = tl.load(live + 1 + i0 + gi, mask=gok, other=0)
+            w = tl.load(wo + rows[None, :, None] * swo + g[:, None, None] * GS + cc[None, None, :],
+                        mask=gok[:, None, None] & rok[None, :, None] & (cc < GS)[None, None, :], other=0.0)
+            yv = tl.load(y + g[:, None] * GS + cc[None, :], mask=gok[:, None] & (cc < GS)[None, :], other=0.0,
+                         cache_modifier=".cg")
+            acc += tl.sum(tl.sum(w.to(tl.float32) * yv.to(tl.float32)[:, None, :], 2), 0)
+        r = tl.load(res + rows, mask=rok, other=0.0)
+        tl.store(out + rows, (r.to(tl.float32) + acc).to(out.dtype.element_ty), mask=rok)
+        tl.debug_barrier()
+        if tl.atomic_add(tickets + HKV + 1, 1) == NO - 1:  # every O program is past its wait: reset the count
+            tl.atomic_xchg(tickets + HKV, 0)
+            tl.atomic_xchg(tickets + HKV + 1, 0)
+
+
+def attention_decode_o(q, k_cache, v_cache, head_mask, kv_len, wo, residual, live, config=None, tickets=None):
+    """One row's decode attention and O projection in one launch -> residual + O(attention), [1, N].
+    q[1,H,1,d], k/v cache [1,Hkv,L,d], head_mask [1,G], kv_len [1] as attention_decode's; wo [N, H*d] in the
+    model dtype, residual [1, N]; live: the head mask's live list, int32 [1 + G] (kernels_step.live_ref's
+    format: the router kernel writes it; every group for the dense model). tickets: int32 zeros, at least
+    Hkv + 2 (left zero)."""
+    check_device(q)
+    B, H, _, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    G, N = head_mask.shape[1], wo.shape[0]
+    assert B == 1, "attention_decode_o takes one row (batch 1); attention_decode then gemm_k take more"
+    assert H % G == 0 and H % Hkv == 0 and wo.shape[1] == H * D, "head_mask [1, G] with G | H; wo [N, H * d]"
+    assert D >= 16 and D == triton.next_power_of_2(D), "head dim must be a power of two >= 16"
+    cfg = config_for("attn_decode_o", config)
+    target = cfg["programs_per_sm"] * num_sms(q.device)
+    n_att = min(Hkv + target, Hkv * triton.cdiv(L, cfg["BN"]))
+    n_o = triton.cdiv(N, cfg["BNO"])
+    hpk, gs = H // Hkv, H // G * D
+    if tickets is None:
+        tickets = torch.zeros(Hkv + 2, dtype=torch.int32, device=q.device)
+    assert tickets.numel() >= Hkv + 2 and tickets.dtype == torch.int32, "int32 tickets, at least Hkv + 2"
+    po = empty((n_att * hpk, D), torch.float32, q.device)
+    plse = empty((n_att * hpk,), torch.float32, q.device)
+    y = empty((H * D,), q.dtype, q.device)
+    out = empty((1, N), residual.dtype, q.device)
+    _attn_decode_o_kernel[(n_att + n_o,)](
+        q, k_cache, v_cache, head_mask.contiguous().view(torch.uint8), kv_len.to(device=q.device, dtype=torch.int32),
+        live, wo, residual, po, plse, tickets, y, out, G, n_att, n_o, N, target, wo.stride(0),
+        q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        (1.0 / math.sqrt(D)) * 1.4426950408889634, HKV=Hkv, HPK=hpk, HPG=H // G,
+        BJ=max(2, triton.next_power_of_2(Hkv)), BH=max(16, triton.next_power_of_2(hpk)),
+        BHM=triton.next_power_of_2(hpk), BN=cfg["BN"], MC=cfg["max_chunks"],
+        MB=min(cfg["merge_block"], cfg["max_chunks"]), D=D, GS=gs, GSP=triton.next_power_of_2(gs),
+        BNO=cfg["BNO"], PRE=min(cfg["prefetch_groups"], triton.next_power_of_2(G)),
+        IEEE=q.dtype == torch.float32, **launch_args(cfg), **pdl_args(q.device))
+    return out
