@@ -203,7 +203,10 @@ def _decode_attend(q, k, v, head_mask, po, plse, tickets, o, pid, pj, first, ite
     b, hk = pj // HKV, pj % HKV
     r = tl.arange(0, BH)
     head = hk * HPK + r
-    act = (r < HPK) & (tl.load(head_mask + b * G + head // HPG, mask=r < HPK, other=0) > 0)
+    if HPG % HPK == 0:  # a group holds whole KV heads: every query head of a live pair runs (no mask load
+        act = r < HPK   # between the work list and q's)
+    else:
+        act = (r < HPK) & (tl.load(head_mask + b * G + head // HPG, mask=r < HPK, other=0) > 0)
     qt = tl.load(q + b * sqb + head[:, None] * sqh + dd[None, :], mask=act[:, None], other=0.0)
     kb, vb = k + b * skb + hk * skh, v + b * svb + hk * svh
     acc = tl.zeros([BH, D], tl.float32)
@@ -249,7 +252,10 @@ def _decode_attend(q, k, v, head_mask, po, plse, tickets, o, pid, pj, first, ite
                 l = l * old + tl.sum(wgt, 0)
                 m = m_new
             hm = hk * HPK + rm
-            actm = (rm < HPK) & (tl.load(head_mask + b * G + hm // HPG, mask=rm < HPK, other=0) > 0)
+            if HPG % HPK == 0:
+                actm = rm < HPK
+            else:
+                actm = (rm < HPK) & (tl.load(head_mask + b * G + hm // HPG, mask=rm < HPK, other=0) > 0)
             tl.store(o + b * sob + hm[:, None] * soh + dd[None, :], (out / l[:, None]).to(o.dtype.element_ty),
                      mask=actm[:, None])
     return finished.to(tl.int32)
