@@ -167,10 +167,36 @@ def attention_decode_ref(q, k_cache, v_cache, head_mask, kv_len):
 
 
 @triton.jit
-def _decode_work(head_mask, kv_len, pid, B, G, TARGET, HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr,
-                 BJ: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr):
-    # The work list of a decode step (see _attn_decode_kernel), built in every program from the head mask and
-    # kv_len: (items in all, live pairs, item pid's pair, that pair's first item and item count, pid's keys).
+def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, NP, TARGET,
+                        sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
+                        HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, H2: tl.constexpr,
+                        BJ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr,
+                        D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """Split-KV decode attention (one query token per row) over a work list of live items only.
+
+    The work is a list of items (row b, KV head, chunk of that row's cached keys), built in every
+    program from the head mask and kv_len (a few hundred values): pairs (b, KV head) none of whose query
+    heads run get no item, and each live pair's kv_len[b] keys are cut into chunks of CH keys, CH chosen
+    so that the whole step has about TARGET items. So the work spreads evenly over the GPU whatever the
+    mask and the rows' lengths (a skipped head or a short row costs no program), and only live K/V are
+    read. Grid (NP + B): programs 0..NP-1 take item pid if it exists; program NP + b writes the zeros of
+    row b's skipped heads. A program owns its KV head's HPK query heads as rows (padded to BH).
+    The merge is in the same launch: a pair cut into several chunks stores each chunk's normalised partial
+    and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (in chunk order,
+    so the result does not depend on which finished last) and resets the ticket. At most MC chunks per pair
+    (longer chunks instead), so that merge stays short. PDL: see kernels_base.prior_done.
+    Twin: attention_decode_ref.
+    """
+    prior_done(PDL)
+    pid = tl.program_id(0)
+    dd = tl.arange(0, D)
+    if pid >= NP:  # row b's heads whose group does not run get exact zeros (O's cuBLAS GEMM reads them)
+        b = pid - NP
+        hh = tl.arange(0, H2)
+        on = tl.load(head_mask + b * G + hh // HPG, mask=hh < HKV * HPK, other=1)
+        tl.store(o + b * sob + hh[:, None] * soh + dd[None, :], tl.zeros([H2, D], o.dtype.element_ty),
+                 mask=(on == 0)[:, None])
+        return
     j = tl.arange(0, BJ)  # pair j: row j // HKV, KV head j % HKV
     jok = j < B * HKV
     live = tl.zeros([BJ], tl.int32)
@@ -179,34 +205,24 @@ def _decode_work(head_mask, kv_len, pid, B, G, TARGET, HKV: tl.constexpr, HPK: t
     # WIDE skip: a KV head none of whose query-head groups runs for row b gets no work item, so its K/V
     # are never read
     n = tl.where(live > 0, tl.load(kv_len + j // HKV, mask=jok, other=0), 0)
-    # chunks of whole key blocks, about TARGET items in all, at most MC per pair
+    # chunks of whole key blocks, about TARGET items in all, at most MC per pair (the merge reads them in turn)
     ch = tl.maximum(tl.maximum(tl.cdiv(tl.cdiv(tl.sum(n, 0), TARGET), BN), tl.cdiv(tl.cdiv(tl.max(n, 0), MC), BN)),
                     1) * BN
     cnt = tl.cdiv(n, ch)
     cum = tl.cumsum(cnt, 0)
-    pj = tl.sum((cum <= pid).to(tl.int32), 0)  # the pair item pid belongs to
+    if pid >= tl.sum(cnt, 0):
+        return
+    pj = tl.sum((cum <= pid).to(tl.int32), 0)  # the pair this item belongs to
     sel = j == pj
     first = tl.sum(tl.where(sel, cum - cnt, 0), 0)
-    start = (pid - first) * ch
-    end = tl.minimum(start + ch, tl.sum(tl.where(sel, n, 0), 0))
-    return tl.sum(cnt, 0), tl.sum((n > 0).to(tl.int32), 0), pj, first, tl.sum(tl.where(sel, cnt, 0), 0), start, end
-
-
-@triton.jit
-def _decode_attend(q, k, v, head_mask, po, plse, tickets, o, pid, pj, first, items, start, end, G,
-                   sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
-                   HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, BH: tl.constexpr, BHM: tl.constexpr,
-                   BN: tl.constexpr, MB: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
-    # Work item pid: keys [start, end) of pair pj for its live query heads. Returns 1 if this program wrote
-    # the pair's outputs (its only item, or the last of its items to finish, which merges them), else 0.
-    dd = tl.arange(0, D)
+    items = tl.sum(tl.where(sel, cnt, 0), 0)
+    end_all = tl.sum(tl.where(sel, n, 0), 0)
     b, hk = pj // HKV, pj % HKV
+    start = (pid - first) * ch
+    end = tl.minimum(start + ch, end_all)
     r = tl.arange(0, BH)
     head = hk * HPK + r
-    if HPG % HPK == 0:  # a group holds whole KV heads: every query head of a live pair runs (no mask load
-        act = r < HPK   # between the work list and q's)
-    else:
-        act = (r < HPK) & (tl.load(head_mask + b * G + head // HPG, mask=r < HPK, other=0) > 0)
+    act = (r < HPK) & (tl.load(head_mask + b * G + head // HPG, mask=r < HPK, other=0) > 0)
     qt = tl.load(q + b * sqb + head[:, None] * sqh + dd[None, :], mask=act[:, None], other=0.0)
     kb, vb = k + b * skb + hk * skh, v + b * svb + hk * svh
     acc = tl.zeros([BH, D], tl.float32)
@@ -220,84 +236,30 @@ def _decode_attend(q, k, v, head_mask, po, plse, tickets, o, pid, pj, first, ite
     for t0 in range(full, end, BN):
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
                                     BN, D, True, IEEE)
-    finished = items == 1
+    optr = o + b * sob + head[:, None] * soh + dd[None, :]
     if items == 1:  # the pair's keys in one chunk: nothing to merge
-        tl.store(o + b * sob + head[:, None] * soh + dd[None, :], (acc / l_i[:, None]).to(o.dtype.element_ty),
-                 mask=act[:, None])
-    else:
-        row = pid * HPK + r
-        tl.store(po + row[:, None] * D + dd[None, :], acc / l_i[:, None], mask=(r < HPK)[:, None])
-        tl.store(plse + row, m_i + tl.log2(l_i), mask=r < HPK)
-        tl.debug_barrier()  # this program's partial is stored before its ticket is taken (release)
-        finished = tl.atomic_add(tickets + pj, 1) == items - 1
-        if finished:
-            tl.atomic_xchg(tickets + pj, 0)  # the pair's last program: reset the ticket, then merge
-            # The pair's partials MB chunks at a time, each block in one load: the loads of a block are in
-            # flight together, where one chunk after another would pay a cache round trip per chunk.
-            rm = tl.arange(0, BHM)
-            c = tl.arange(0, MB)
-            m = tl.full([BHM], float("-inf"), tl.float32)
-            l = tl.zeros([BHM], tl.float32)
-            out = tl.zeros([BHM, D], tl.float32)
-            for c0 in range(first, first + items, MB):
-                cok = (c0 + c < first + items)[:, None] & (rm < HPK)[None, :]  # [MB, BHM]
-                crow = (c0 + c)[:, None] * HPK + rm[None, :]
-                lse = tl.load(plse + crow, mask=cok, other=float("-inf"), cache_modifier=".cg")
-                part = tl.load(po + crow[:, :, None] * D + dd[None, None, :], mask=cok[:, :, None], other=0.0,
-                               cache_modifier=".cg")
-                m_new = tl.maximum(m, tl.max(lse, 0))
-                wgt = tl.exp2(lse - m_new[None, :])  # [MB, BHM]; masked chunks weigh 0
-                old = tl.exp2(m - m_new)
-                out = out * old[:, None] + tl.sum(wgt[:, :, None] * part, 0)
-                l = l * old + tl.sum(wgt, 0)
-                m = m_new
-            hm = hk * HPK + rm
-            if HPG % HPK == 0:
-                actm = rm < HPK
-            else:
-                actm = (rm < HPK) & (tl.load(head_mask + b * G + hm // HPG, mask=rm < HPK, other=0) > 0)
-            tl.store(o + b * sob + hm[:, None] * soh + dd[None, :], (out / l[:, None]).to(o.dtype.element_ty),
-                     mask=actm[:, None])
-    return finished.to(tl.int32)
-
-
-@triton.jit
-def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, NP, TARGET,
-                        sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
-                        HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, H2: tl.constexpr,
-                        BJ: tl.constexpr, BH: tl.constexpr, BHM: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr,
-                        MB: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    """Split-KV decode attention (one query token per row) over a work list of live items only.
-
-    The work is a list of items (row b, KV head, chunk of that row's cached keys), built in every
-    program from the head mask and kv_len (a few hundred values): pairs (b, KV head) none of whose query
-    heads run get no item, and each live pair's kv_len[b] keys are cut into chunks of CH keys, CH chosen
-    so that the whole step has about TARGET items. So the work spreads evenly over the GPU whatever the
-    mask and the rows' lengths (a skipped head or a short row costs no program), and only live K/V are
-    read. Grid (NP + B): programs 0..NP-1 take item pid if it exists; program NP + b writes the zeros of
-    row b's skipped heads. A program owns its KV head's HPK query heads as rows (padded to BH).
-    The merge is in the same launch: a pair cut into several chunks stores each chunk's normalised partial
-    and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (in chunk order,
-    MB chunks per load, so the result does not depend on which finished last) and resets the ticket. At
-    most MC chunks per pair (longer chunks instead). PDL: see kernels_base.prior_done.
-    Twin: attention_decode_ref.
-    """
-    prior_done(PDL)
-    pid = tl.program_id(0)
-    dd = tl.arange(0, D)
-    if pid >= NP:  # row b's heads whose group does not run get exact zeros (O's cuBLAS GEMM reads them)
-        b = pid - NP
-        hh = tl.arange(0, H2)
-        on = tl.load(head_mask + b * G + hh // HPG, mask=hh < HKV * HPK, other=1)
-        tl.store(o + b * sob + hh[:, None] * soh + dd[None, :], tl.zeros([H2, D], o.dtype.element_ty),
-                 mask=(on == 0)[:, None])
+        tl.store(optr, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=act[:, None])
         return
-    n_items, n_pairs, pj, first, items, start, end = _decode_work(head_mask, kv_len, pid, B, G, TARGET,
-                                                                  HKV, HPK, HPG, BJ, BN, MC)
-    if pid < n_items:
-        _decode_attend(q, k, v, head_mask, po, plse, tickets, o, pid, pj, first, items, start, end, G,
-                       sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale, HKV, HPK, HPG, BH, BHM, BN,
-                       MB, D, IEEE)
+    row = pid * HPK + r
+    tl.store(po + row[:, None] * D + dd[None, :], acc / l_i[:, None], mask=(r < HPK)[:, None])
+    tl.store(plse + row, m_i + tl.log2(l_i), mask=r < HPK)
+    tl.debug_barrier()  # this program's partial is stored before its ticket is taken (release)
+    if tl.atomic_add(tickets + pj, 1) != items - 1:
+        return
+    tl.atomic_xchg(tickets + pj, 0)  # the pair's last program: reset the ticket, then merge
+    m = tl.full([BH], float("-inf"), tl.float32)  # the pair's chunks in order, one partial at a time:
+    l = tl.zeros([BH], tl.float32)                 # a merge over all MC at once would hold them all in
+    acc = tl.zeros([BH, D], tl.float32)            # registers for the whole kernel and cost it occupancy
+    for it in range(first, first + items):
+        crow = it * HPK + r
+        lse = tl.load(plse + crow, mask=r < HPK, other=0.0, cache_modifier=".cg")
+        part = tl.load(po + crow[:, None] * D + dd[None, :], mask=(r < HPK)[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        old, wgt = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+        acc = acc * old[:, None] + wgt[:, None] * part
+        l = l * old + wgt
+        m = m_new
+    tl.store(optr, (acc / l[:, None]).to(o.dtype.element_ty), mask=act[:, None])
 
 
 def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, tickets=None):
@@ -313,7 +275,7 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, ticket
     G = head_mask.shape[1]
     assert H % G == 0 and H % Hkv == 0, "head_mask must be [B, G] with G | H"
     assert D >= 16 and D == triton.next_power_of_2(D), "head dim must be a power of two >= 16"
-    cfg = config_for("attn_decode_1" if B == 1 else "attn_decode", config)
+    cfg = config_for("attn_decode", config)
     # About `target` items in a step (enough to fill the GPU a few times over); never more programs
     # than items can exist: (B * Hkv pairs) x (chunks of BN keys), or target + one per pair (see kernel).
     target = cfg["programs_per_sm"] * num_sms(q.device)
@@ -332,7 +294,6 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, ticket
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
         (1.0 / math.sqrt(D)) * 1.4426950408889634, HKV=Hkv, HPK=hpk, HPG=H // G,
         H2=triton.next_power_of_2(H), BJ=max(2, triton.next_power_of_2(B * Hkv)),
-        BH=max(16, triton.next_power_of_2(hpk)), BHM=triton.next_power_of_2(hpk), BN=cfg["BN"],
-        MC=cfg["max_chunks"], MB=min(cfg["merge_block"], cfg["max_chunks"]), D=D,
+        BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"], D=D,
         IEEE=q.dtype == torch.float32, **launch_args(cfg), **pdl_args(q.device))
     return o

@@ -41,12 +41,9 @@ CONFIGS = {
     "gemm_k_atomic": dict(BN=128, BK=64, num_warps=8, num_stages=3),
     "attn_prefill": dict(BM=128, BN=64, num_warps=8, num_stages=3),
     # Decode attention: a work list of about programs_per_sm x SMs (row, KV head, chunk) items, at most
-    # max_chunks per (row, KV head), merged merge_block partials per load (an earlier round measured a merge
-    # of all max_chunks at once slower: its registers cost the whole kernel occupancy).
-    "attn_decode": dict(BN=64, programs_per_sm=4, max_chunks=16, merge_block=8, num_warps=4, num_stages=2),
-    # One row: about one program per SM of one key block each (8 per live KV head at 1k keys), so the step
-    # is a single round of K/V loads and one merge.
-    "attn_decode_1": dict(BN=128, programs_per_sm=1, max_chunks=16, merge_block=8, num_warps=4, num_stages=2),
+    # max_chunks per (row, KV head), merged in turn: merging all chunks at once was slower (the merge's
+    # registers cost the whole kernel occupancy).
+    "attn_decode": dict(BN=128, programs_per_sm=4, max_chunks=16, num_warps=8, num_stages=2),
 }
 if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per element
     LONG_K = 64  # so the small test shapes exercise both decode gemm_k variants
@@ -60,8 +57,7 @@ if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per ele
         "gemm_k_small_long_k": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_small_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2), "gemm_k_small_long_k_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_atomic": dict(BN=32, BK=16),
-        "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, programs_per_sm=4, max_chunks=4, merge_block=2),
-        "attn_decode_1": dict(BN=16, programs_per_sm=4, max_chunks=4, merge_block=2),
+        "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, programs_per_sm=4, max_chunks=4),
     })
 
 

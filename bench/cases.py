@@ -232,10 +232,8 @@ def case_k(s, T, K, gs, name, method="tile", fp8=False):
                 keep=lambda mask: None)
 
 
-def case_decode_attention(s, B=None, L=None):
-    # B rows of L cached keys each (the Setup's decode_b, decode_l unless given)
-    e, H, HKV, HD = s.dtype.itemsize, s.H, s.HKV, s.HD
-    B, L = B or s.decode_b, L or s.decode_l
+def case_decode_attention(s):
+    e, B, L, H, HKV, HD = s.dtype.itemsize, s.decode_b, s.decode_l, s.H, s.HKV, s.HD
     nbytes = e * (2 * B * HKV * L * HD + 2 * B * H * HD)
     copies = rotation(s, 1, nbytes, 2 * B * HKV * L * HD * e / nbytes)
     q = torch.randn(B, H, 1, HD, device=s.device, dtype=s.dtype)
@@ -299,8 +297,6 @@ def all_cases(s):
         ("o_proj", lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj")),
         ("o_proj", lambda: case_k(s, M, s.H * s.HD, s.attn_gs, "o_proj")),
         ("o_proj atomic", lambda: case_k(s, M, s.H * s.HD, s.attn_gs, "o_proj", "atomic")),
-        ("attention decode", lambda: case_decode_attention(s, 1, s.decode_l // 8)),  # batch 1, 1k
-        ("attention decode", lambda: case_decode_attention(s, 1)),                   # batch 1, 8k
         ("attention decode", lambda: case_decode_attention(s)),
         ("attention prefill", lambda: case_prefill_attention(s)),
     ]

@@ -67,11 +67,8 @@ def tune_table(s):
             v(4, 6, BM=16, BN=32, BK=128, SPLIT=2), v(4, 6, BM=16, BN=32, BK=128, SPLIT=4, F16=0),
             v(4, 6, BM=16, BN=32, BK=128, SPLIT=4, F16=2), v(4, 6, BM=16, BN=64, BK=128, SPLIT=4), *fma]),
         "attn_prefill": (lambda: case_prefill_attention(s), [v(8, 2, BM=128, BN=128)]),
-        "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, programs_per_sm=4), v(4, 3, BN=128, programs_per_sm=2),
-                                                           v(4, 2, BN=64, programs_per_sm=2), v(4, 2, BN=32, programs_per_sm=4)]),
-        "attn_decode_1": (lambda: case_decode_attention(s, 1, s.decode_l // 8), [
-            v(4, 2, BN=64, programs_per_sm=1), v(4, 2, BN=128, programs_per_sm=2), v(8, 2, BN=128, programs_per_sm=4),
-            v(4, 2, BN=128, programs_per_sm=1, merge_block=16)]),
+        "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16),
+                                                           v(8, 3, BN=128, programs_per_sm=2), v(4, 3, BN=128, programs_per_sm=4)]),
     }
 
 
