@@ -306,3 +306,38 @@ def base_of(path):
 def tokenizer_of(path):
     """A checkpoint's tokenizer: its tokenizer.json, or its pretrained model's for a router folder."""
     return read_gguf(base_of(path), tokenizer_only=True)[1] if base_of(path) else load_tokenizer(path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# what an inference script loads from its flags (generate.py, serve.py)
+
+def load_for_inference(checkpoint, model_name, out_dir, method, sparsity, attn_sparsity, ffn_sparsity, *,
+                       windows, device, dtype):
+    """(path or name, model, wcfg, dialled): checkpoint (a directory), else pretrained model_name dense, else
+    out_dir's base model, or with a sparsity the router checkpoint trained for the nearest target, dialled to
+    it (load_dialled; windows: the calibration text). wcfg and dialled are None for a dense model (dialled
+    also for a router checkpoint at its trained width)."""
+    dial_to = sparsity if attn_sparsity is None else (attn_sparsity + ffn_sparsity) / 2
+    path = checkpoint
+    if path is None and model_name and dial_to is None:  # the pretrained model itself, dense
+        return f"{model_name} (pretrained)", load_pretrained(model_name, device, dtype)[0], None, None
+    if path is None:
+        path = os.path.join(out_dir, "base") if dial_to is None else nearest_checkpoint(out_dir, method, dial_to)
+    routed = os.path.isfile(os.path.join(path, "wide.json"))
+    if routed and dial_to is not None:
+        return (path, *load_dialled(path, sparsity, attn_sparsity, ffn_sparsity, windows=windows, device=device,
+                                    dtype=dtype))
+    if routed:
+        return (path, *load_wide(path, device=device, dtype=dtype), None)
+    if dial_to is not None:
+        what = "is a dense model" if os.path.isdir(path) else "does not exist"
+        raise CheckpointError(f"the sparsity dial needs a router checkpoint; {path} {what} "
+                              "(train one with: python train.py --sparsity 0.5)")
+    return path, Transformer.from_pretrained(path, device=device, dtype=dtype), None, None
+
+
+def tokenizer_for(path, model_name):
+    """The tokenizer of what load_for_inference loaded: a checkpoint's, or the pretrained model's own."""
+    if not os.path.isdir(path):  # "NAME (pretrained)": the model read from its GGUF
+        return read_gguf(model_name, tokenizer_only=True)[1]
+    return tokenizer_of(path)

@@ -194,38 +194,19 @@ def parse_args(argv):
 
 
 def load(args):
-    """(path, model, wcfg, dialled): the checkpoint the flags name, dialled when they ask for a sparsity.
-    wcfg and dialled are None for a dense model (and dialled for a router checkpoint at its trained width)."""
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    path = args.checkpoint
-    if path is None and args.model and args.dial_to is None:  # the pretrained model itself, dense
-        if args.show_width or args.compare_dense:
-            cli.fail(f"--{'show-width' if args.show_width else 'compare-dense'} needs routers (add --sparsity 0.5)")
-        return f"{args.model} (pretrained)", checkpoints.load_pretrained(args.model, args.device, dtype)[0], None, None
-    if path is None:
-        path = (os.path.join(args.out_dir, "base") if args.dial_to is None
-                else checkpoints.nearest_checkpoint(args.out_dir, args.method, args.dial_to))
-    routed = os.path.isfile(os.path.join(path, "wide.json"))
-    if routed and args.dial_to is not None:
-        return (path, *checkpoints.load_dialled(path, args.sparsity, args.attn_sparsity, args.ffn_sparsity,
-                                                windows=data.dial_windows, device=args.device, dtype=dtype))
-    if routed:
-        return (path, *checkpoints.load_wide(path, device=args.device, dtype=dtype), None)
-    if args.dial_to is not None:
-        what = "is a dense model" if os.path.isdir(path) else "does not exist"
-        cli.fail(f"the sparsity dial needs a router checkpoint; {path} {what} "
-                 "(train one with: python train.py --sparsity 0.5)")
+    """(path, model, wcfg, dialled): the checkpoint the flags name (checkpoints.load_for_inference), after the
+    checks of the flags that need routers."""
     if args.show_width or args.compare_dense:
-        cli.fail(f"--{'show-width' if args.show_width else 'compare-dense'} needs a router "
-                 f"checkpoint; {path} is a dense model (add --sparsity 0.5)")
-    return path, Transformer.from_pretrained(path, device=args.device, dtype=dtype), None, None
-
-
-def tokenizer(args, path):
-    """The tokenizer of what load() loaded: a checkpoint's, or the pretrained model's own."""
-    if not os.path.isdir(path):  # load's "NAME (pretrained)": the model read from its GGUF
-        return checkpoints.read_gguf(args.model, tokenizer_only=True)[1]
-    return checkpoints.tokenizer_of(path)
+        flag = "--show-width" if args.show_width else "--compare-dense"
+        if args.checkpoint is None and args.model and args.dial_to is None:
+            cli.fail(f"{flag} needs routers (add --sparsity 0.5)")
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    path, model, wcfg, dialled = checkpoints.load_for_inference(
+        args.checkpoint, args.model, args.out_dir, args.method, args.sparsity, args.attn_sparsity,
+        args.ffn_sparsity, windows=data.dial_windows, device=args.device, dtype=dtype)
+    if wcfg is None and (args.show_width or args.compare_dense):
+        cli.fail(f"{flag} needs a router checkpoint; {path} is a dense model (add --sparsity 0.5)")
+    return path, model, wcfg, dialled
 
 
 def prompt_batch(args, tok, ctx):
@@ -306,7 +287,7 @@ def main(argv=None):
     if args.weights == "fp8" and backend == "torch":
         cli.fail("--weights fp8 runs on the Triton engine; add --backend triton (a CUDA GPU, "
                  "or TRITON_INTERPRET=1 on a CPU)")
-    tok = tokenizer(args, path)
+    tok = checkpoints.tokenizer_for(path, args.model)
     prompts, rows, idx, lengths = prompt_batch(args, tok, model.config.max_seq_len)
 
     widths = []  # per generated token: the width of the forward pass that produced it (kept on device)

@@ -9,16 +9,30 @@ prefilled straight into that row (SlotView: generate.py's prefill at batch 1, no
 token per step next to every other running request, each at its own position. A decode step runs the
 smallest bucket of rows (BUCKETS) that covers the highest running slot, one CUDA graph per bucket on a GPU;
 rows that are not decoding run a dummy token where no request reads. Overload, cancellation and non-finite
-logits end one request alone, with one line in Request.error (tests/test_serve_stress.py). Greedy only:
-with decode steps of at most model.ffn_rule.max_rows rows (wide.FFNRule) every request's tokens are those
-of generating it alone (tests/test_serve.py); a larger step runs the whole FFN, so they depend on the batch.
+logits end one request alone, with one line in Request.error (tests/test_serve_stress.py). Greedy, with decode
+steps of at most model.ffn_rule.max_rows rows (wide.FFNRule), gives every request the tokens of generating it
+alone (tests/test_serve.py); sampling draws from each request's own seeded stream (sample_rows).
+
+    python serve.py --sparsity 0.5 --port 8000    # the HTTP front: POST /v1/completions, GET /v1/models, /health
+
+The front (make_app) is FastAPI; the Server runs on a thread of its own (Loop); any OpenAI client can talk to it.
 """
+import asyncio
 import contextlib
+import json
+import os
+import socket
+import threading
 import time
+import traceback
+import uuid
 from dataclasses import dataclass, field
 
 import torch
 
+import checkpoints
+import cli
+import data
 import engine
 from model import KVCache
 
@@ -32,12 +46,19 @@ class Request:
     prompt: list                  # token ids
     max_new_tokens: int
     arrival: float = 0.0          # seconds after the start (or loop iterations, with a fake clock)
+    temperature: float = 0.0      # 0: greedy; else a draw from softmax(logits / temperature) ...
+    top_k: int = 0                # ... over the top_k likeliest tokens (0: all) ...
+    top_p: float = 1.0            # ... and the smallest set of them whose probability reaches top_p
+    seed: int = None              # the request's own random stream (None: a fresh one)
+    stop_ids: tuple = ()          # token ids that end the request (an end-of-text token), kept in tokens
     tokens: list = field(default_factory=list)   # the generated ids
+    finish: str = None            # "length" (max_new_tokens reached) or "stop" (a stop id), when it ended so
     error: str = None             # set when it was rejected, cancelled or stopped (one line)
     slot: int = None
     prefilled: int = 0            # prompt tokens already in the cache
     t_first: float = None         # when the first new token was known (TTFT = t_first - arrival)
     t_done: float = None
+    generator: object = None      # its random stream (made at submit when temperature > 0)
 
 
 class SlotView(torch.nn.Module):
@@ -54,6 +75,25 @@ def greedy(logits):
     """logits [..., vocab] -> the argmax ids [...], -1 where a row holds NaN or inf. One tensor, so the
     one host read of a step brings back the tokens and the finiteness check together."""
     return torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), -1)
+
+
+def sample_rows(logits, temperature, top_k, top_p, noise):
+    """logits [n, vocab] -> ids [n], -1 where a row holds NaN or inf; per row i: temperature[i] == 0 is
+    greedy, else a draw from softmax(logits[i] / temperature[i]) over its top_k[i] likeliest tokens (0: all)
+    and, of those, the smallest set whose probability reaches top_p[i]. The draw is the Gumbel-max trick on
+    noise[i] (uniform draws from row i's request's own generator), so a request's tokens never depend on
+    which other requests share its step."""
+    x = logits.float() / temperature.clamp_min(1e-6)[:, None]
+    ranked, order = x.sort(-1, descending=True)
+    k = torch.where(top_k > 0, top_k, x.shape[-1]).clamp_max(x.shape[-1])
+    cut = torch.arange(x.shape[-1], device=x.device)[None, :] >= k[:, None]  # past the top k
+    prob = ranked.masked_fill(cut, float("-inf")).softmax(-1)  # the top k's distribution, likeliest first
+    cut |= prob.cumsum(-1) - prob >= top_p[:, None]  # the likelier tokens already reach top_p
+    cut[:, 0] = False  # the likeliest token always stays
+    gumbel = -torch.log(-torch.log(noise.gather(-1, order).clamp(1e-20, 1.0 - 1e-7)))
+    drawn = order.gather(-1, (ranked + gumbel).masked_fill(cut, float("-inf")).argmax(-1, keepdim=True))[:, 0]
+    ids = torch.where(temperature > 0, drawn, logits.argmax(-1))
+    return torch.where(torch.isfinite(logits).all(-1), ids, -1)
 
 
 def read(now):
@@ -102,15 +142,22 @@ class Server:
             raise ValueError("this request is already queued or running: cancel it first, or submit a new one")
         # A request submitted again (a retry after a rejection, or after a cancel) starts from scratch.
         req.tokens, req.prefilled, req.slot, req.t_first, req.error, req.t_done = [], 0, None, None, None, None
+        req.finish, req.generator = None, None
         need = len(req.prompt) + req.max_new_tokens
         # The last position (slot_len - 1) is the dummy rows' scratch: a request may use the ones before it.
         if need > self.slot_len - 1 or not req.prompt or req.max_new_tokens < 1:
             why = (f"rejected: {len(req.prompt)} prompt tokens + {req.max_new_tokens} new tokens do not fit a "
                    f"slot of {self.slot_len - 1} positions; shorten the prompt or lower max_new_tokens")
+        elif not (req.temperature >= 0 and req.top_k >= 0 and 0 < req.top_p <= 1):
+            why = (f"rejected: temperature {req.temperature}, top_k {req.top_k}, top_p {req.top_p}: give a "
+                   "temperature >= 0, a top_k >= 0 (0: all tokens) and a top_p in (0, 1]")
         elif len(self.queue) >= self.max_queue:  # overload: refuse now rather than hold it without bound
             why = (f"rejected: {len(self.queue)} requests already wait (max_queue {self.max_queue}); "
                    f"retry later or raise max_queue")
         else:
+            if req.temperature > 0:
+                req.generator = torch.Generator(device=self.device)
+                req.generator.manual_seed(req.seed) if req.seed is not None else req.generator.seed()
             self.queue.append(req)
             return True
         self.end(req, now, why)
@@ -201,7 +248,7 @@ class Server:
         # Only the last piece is read back: a NaN in an earlier chunk's K/V shows there, as every later
         # position attends to it.
         if end == P:  # the last piece: its last position gives the first new token (or -1: not finite)
-            self.take(req, int(greedy(logits[0, -1])), now)
+            self.take(req, int(self.pick(logits[:, -1], [req])[0]), now)
         return end - start
 
     def decode(self, now):
@@ -225,12 +272,28 @@ class Server:
         else:
             self.use_rows(slice(0, n))
             logits = self.forward(token, input_pos=pos.view(-1, 1))[:, -1]
-        nxt = greedy(logits).tolist()  # the one host sync of a step: tokens, -1 for a non-finite row
+        rows = [r if r in running else None for r in self.slots[:n]]
+        nxt = self.pick(logits, rows).tolist()  # the one host sync of a step: tokens, -1 for a non-finite row
         self.steps += 1
         self.busy.append(len(running))
         for r in running:
             self.take(r, nxt[r.slot], now)
         return len(running)
+
+    def pick(self, logits, rows):
+        """The next token of each row of logits [n, vocab] (rows: the request of each row, or None): greedy
+        unless a row's request samples (sample_rows, with noise from that request's generator)."""
+        if all(r is None or r.temperature == 0 for r in rows):
+            return greedy(logits)
+        n, vocab = logits.shape
+        noise = torch.zeros(n, vocab, device=logits.device)
+        for i, r in enumerate(rows):
+            if r is not None and r.temperature > 0:
+                noise[i] = torch.rand(vocab, generator=r.generator, device=logits.device)
+        param = lambda name, empty, dtype: torch.tensor([empty if r is None else getattr(r, name) for r in rows],
+                                                        dtype=dtype, device=logits.device)
+        return sample_rows(logits, param("temperature", 0.0, torch.float32), param("top_k", 0, torch.long),
+                           param("top_p", 1.0, torch.float32), noise)
 
     def take(self, req, token, now):
         """A running request's next token: append it (ending the request at max_new_tokens), or, for -1,
@@ -244,7 +307,8 @@ class Server:
         req.tokens.append(token)
         if len(req.tokens) == 1:
             req.t_first = read(now)
-        if len(req.tokens) == req.max_new_tokens:
+        if token in req.stop_ids or len(req.tokens) == req.max_new_tokens:
+            req.finish = "stop" if token in req.stop_ids else "length"
             self.end(req, read(now))
 
     @torch.no_grad()  # the Triton engine refuses grad-enabled calls, and graphs capture no autograd
@@ -271,3 +335,266 @@ class Server:
                 continue
             self.tick(since)
         return requests
+
+
+# ----------------------------------------------------------------------------------- the HTTP front
+class Loop:
+    """The Server on a thread of its own, for the HTTP front. Only this thread touches the Server (its lists,
+    the model): requests and cancels come in through `inbox`, and after each tick every watched request whose
+    tokens grew or that ended is reported to its callback, on this thread (the front hands it to asyncio)."""
+
+    def __init__(self, server):
+        self.server, self.inbox, self.watched = server, [], {}  # watched: request -> (callback, tokens reported)
+        self.wake, self.stopping, self.t0 = threading.Condition(), False, time.perf_counter()
+        self.thread = threading.Thread(target=self.run, name="serve-loop", daemon=True)
+
+    def now(self):
+        return time.perf_counter() - self.t0
+
+    def put(self, req, report=None):
+        """Submit req, report(tokens, finish, error, ended) called as it makes progress; no report: cancel it."""
+        with self.wake:
+            self.inbox.append((req, report))
+            self.wake.notify()
+
+    def stop(self):
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+        self.thread.join()
+
+    def run(self):
+        while True:
+            with self.wake:
+                while not (self.inbox or self.stopping or not self.server.idle()):
+                    self.wake.wait()
+                if self.stopping:
+                    return
+                todo, self.inbox = self.inbox, []
+            for req, report in todo:
+                if report is not None:
+                    self.watched[req] = (report, 0)
+                (self.server.submit if report else self.server.cancel)(req, self.now())
+            try:
+                if not self.server.idle():
+                    self.server.tick(self.now)
+            except Exception as e:  # a bug: the requests in flight end with its line, and the loop goes on
+                traceback.print_exc()
+                for req in [*self.server.queue, *(r for r in self.server.slots if r is not None)]:
+                    self.server.cancel(req, self.now())
+                    req.error = f"server error: {type(e).__name__}: {e}"
+            for req, (report, sent) in list(self.watched.items()):
+                ended = req.t_done is not None
+                if ended or len(req.tokens) > sent:
+                    report(list(req.tokens), req.finish, req.error, ended)
+                    self.watched[req] = (report, len(req.tokens))
+                if ended:
+                    del self.watched[req]
+
+
+class BadRequest(Exception):
+    """A request the front refuses: BadRequest(HTTP status, one line saying what is wrong)."""
+
+
+def field_of(body, name, kind, default, ok=lambda v: True, rule=""):
+    # One field of a JSON body: the right type (an int is a number too; a bool is not an int) and range.
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, kind) or isinstance(v, bool) != (kind is bool) or not ok(v):
+        raise BadRequest(400, f"{name}: {v!r} is not {rule or kind.__name__}")
+    return v
+
+
+def completion_params(body, name, slot_len, tok, eot):
+    """The request a /v1/completions body asks for, checked: (Request, stop strings, stream) or BadRequest."""
+    if not isinstance(body, dict):
+        raise BadRequest(400, "the body must be a JSON object with at least a prompt")
+    if body.get("model") not in (None, name):
+        raise BadRequest(404, f"model {body['model']!r} is not served here; this server serves {name!r}")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise BadRequest(400, "prompt: give one string (for several prompts, send one request each)")
+    for unsupported, neutral in (("n", 1), ("best_of", 1), ("echo", False), ("logprobs", None), ("suffix", None),
+                                 ("presence_penalty", 0), ("frequency_penalty", 0)):
+        if body.get(unsupported, neutral) not in (neutral, None):
+            raise BadRequest(400, f"{unsupported}: only {neutral} is supported here")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(x, str) and x for x in stop)):
+        raise BadRequest(400, "stop: give a string or a list of at most 4 non-empty strings")
+    ids = tok.encode(prompt).ids if prompt else ([eot] if eot is not None else [])
+    if not ids:
+        raise BadRequest(400, "prompt: empty, and this tokenizer has no end-of-text token to start from")
+    max_tokens = field_of(body, "max_tokens", int, 16, lambda v: v >= 1, "a whole number >= 1")
+    if len(ids) + max_tokens > slot_len - 1:
+        raise BadRequest(400, f"{len(ids)} prompt tokens + max_tokens {max_tokens} do not fit the context of "
+                              f"{slot_len - 1} tokens; shorten the prompt or lower max_tokens")
+    req = Request(ids, max_tokens, stop_ids=() if eot is None else (eot,),
+                  temperature=field_of(body, "temperature", float, 1.0, lambda v: 0 <= v <= 100, "a number in [0, 100]"),
+                  top_p=field_of(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+                  top_k=max(0, field_of(body, "top_k", int, 0, lambda v: v >= -1, "a whole number >= -1 (-1 or 0: all)")),
+                  seed=field_of(body, "seed", int, None, lambda v: 0 <= v < 2 ** 63, "a whole number in [0, 2^63)"))
+    return req, stop, field_of(body, "stream", bool, False)
+
+
+def visible_text(tok, tokens, stop_ids, stop, ended):
+    """(text so far, a stop string was found): the tokens' text without stop ids, cut at the first stop string.
+    Until the request ends, a tail that could still become a stop string, or an unfinished UTF-8 character,
+    is held back."""
+    text = tok.decode([t for t in tokens if t not in stop_ids])
+    cuts = [text.find(s) for s in stop if s in text]
+    if cuts:
+        return text[:min(cuts)], True
+    if not ended:
+        text = text[:len(text) - max([len(s) - 1 for s in stop] + [0])].rstrip("\ufffd")
+    return text, False
+
+
+def make_app(loop, tok, name, eot):
+    """The OpenAI-compatible front: POST /v1/completions (whole, or streamed as server-sent events), GET
+    /v1/models and /health. Each completion is one Request on `loop`; a client that goes away cancels it."""
+    from fastapi import FastAPI, Request as HTTPRequest
+    from fastapi.responses import JSONResponse, StreamingResponse
+    app, created = FastAPI(title="wide"), int(time.time())
+    error = lambda status, message: JSONResponse({"error": dict(message=message, code=status, type=(
+        "invalid_request_error" if status < 500 else "server_error"))}, status_code=status)
+
+    @app.get("/health")
+    def health():
+        return dict(status="ok", running=sum(r is not None for r in loop.server.slots), queued=len(loop.server.queue))
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "wide"}]}
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest):
+        try:
+            body = json.loads(await http.body() or b"null")
+            req, stop, stream = completion_params(body, name, loop.server.slot_len, tok, eot)
+        except json.JSONDecodeError as e:
+            return error(400, f"the body is not JSON ({e.msg} at position {e.pos})")
+        except BadRequest as e:
+            return error(*e.args)
+        updates, aloop = asyncio.Queue(), asyncio.get_running_loop()
+        loop.put(req, lambda *u: aloop.call_soon_threadsafe(updates.put_nowait, u))
+        while True:  # queued or prefilling: a client that leaves meanwhile gives its place up
+            try:
+                first = await asyncio.wait_for(updates.get(), 0.1)
+                break
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    loop.put(req)
+                    return error(400, "the client disconnected")
+        if first[3] and first[2] and first[2].startswith("rejected"):  # the queue was full (the rest was checked)
+            return error(429, first[2])
+        reply = dict(id=f"cmpl-{uuid.uuid4().hex}", object="text_completion", created=int(time.time()), model=name)
+
+        async def progress():
+            # (text, finish reason or None) as tokens arrive; cancels the request once a stop string shows
+            update = first
+            while True:
+                tokens, finish, err, ended = update
+                text, stopped = visible_text(tok, tokens, req.stop_ids, stop, ended)
+                if stopped and not ended:
+                    loop.put(req)
+                if stopped or ended:
+                    yield text, "stop" if stopped else finish or ("length" if err is None else "abort")
+                    return
+                yield text, None
+                update = await updates.get()
+
+        usage = lambda: {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.tokens),
+                         "total_tokens": len(req.prompt) + len(req.tokens)}
+        if not stream:
+            try:
+                async for text, finish in progress():
+                    if await http.is_disconnected():
+                        break
+            finally:
+                loop.put(req)  # a cancel: a no-op once it ended; frees the slot of a client that went away
+            if (req.error or "").startswith("server error"):
+                return error(500, req.error)
+            return dict(reply, choices=[dict(text=text, index=0, logprobs=None, finish_reason=finish)], usage=usage())
+
+        async def events():
+            sent = ""
+            try:
+                async for text, finish in progress():
+                    if text != sent or finish:
+                        chunk = dict(reply, choices=[dict(text=text[len(sent):], index=0, logprobs=None,
+                                                          finish_reason=finish)])
+                        sent = text
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                yield f"data: {json.dumps(dict(reply, choices=[], usage=usage()))}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                loop.put(req)  # a cancel: the client went away mid-stream (or the stream ended), free the slot
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+# ----------------------------------------------------------------------------------- the command line
+def parse_args(argv):
+    p = cli.Parser(prog="serve.py", description="The OpenAI-compatible completions API over continuous batching.")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: out/base, or the one nearest --sparsity)")
+    p.add_argument("--sparsity", type=cli.fraction(), help="dial the routers trained for the nearest target to this")
+    p.add_argument("--out-dir", default=None, help="train.py's checkpoints (default out, or routers/NAME with --model)")
+    p.add_argument("--model", choices=sorted(checkpoints.PRETRAINED), help="a pretrained model, read from its GGUF")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=cli.integer(1, 65535), default=8000)
+    p.add_argument("--slots", type=cli.integer(1), default=8, help="requests decoded together (cache rows)")
+    p.add_argument("--slot-len", type=cli.integer(2), help="positions per slot (default: the context, <= 4096)")
+    p.add_argument("--chunk", type=cli.integer(1), default=None, help="prefill prompts in chunks of this many tokens")
+    p.add_argument("--max-queue", type=cli.integer(1), default=256, help="waiting requests; more get a 429")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="auto: triton on a GPU")
+    p.add_argument("--weights", default="bf16", choices=["bf16", "fp8"], help="fp8: the prunable linears as e4m3")
+    args = p.parse_args(argv)
+    args.device = cli.pick_device(args.device)
+    args.out_dir = args.out_dir or (os.path.join("routers", args.model) if args.model else "out")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with socket.socket() as s:  # a port already taken is one line now, not a traceback after the model loads
+        try:
+            s.bind((args.host, args.port))
+        except OSError as e:
+            cli.fail(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); pick another with --port")
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    path, model, wcfg, _ = checkpoints.load_for_inference(args.checkpoint, args.model, args.out_dir, "wide",
+                                                          args.sparsity, None, None, windows=data.dial_windows,
+                                                          device=args.device, dtype=dtype)
+    forward = engine.select(model.eval(), args.backend, weights=args.weights)  # the one backend switch
+    if args.weights == "fp8" and not isinstance(forward, engine.Engine):
+        cli.fail("--weights fp8 runs on the Triton engine; add --backend triton (a CUDA GPU)")
+    tok = checkpoints.tokenizer_for(path, args.model)
+    slot_len = args.slot_len or min(model.config.max_seq_len, 4096)
+    if slot_len > model.config.max_seq_len:
+        cli.fail(f"--slot-len {slot_len} exceeds the model's context of {model.config.max_seq_len}")
+    server = Server(forward, args.slots, slot_len, chunk=args.chunk, max_queue=args.max_queue)
+    server.warm_up()  # every decode bucket's CUDA graph, before the first request (on a GPU)
+    name = os.path.basename(os.path.normpath(path)) if os.path.isdir(path) else args.model
+    loop = Loop(server)
+    loop.thread.start()
+    import uvicorn
+    print(f"serving {name} ({'WIDE' if wcfg else 'dense'}; backend {'triton' if server.is_engine else 'torch'}, "
+          f"{args.slots} slots of {slot_len} positions) at http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        uvicorn.run(make_app(loop, tok, name, tok.token_to_id("<|endoftext|>")), host=args.host, port=args.port,
+                    log_level="warning")
+    finally:
+        loop.stop()
+        server.close()
+
+
+if __name__ == "__main__":
+    cli.run(main)
