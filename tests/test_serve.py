@@ -165,3 +165,53 @@ def test_serving_bench_refuses_a_bad_number_in_one_line(capsys, monkeypatch, fla
 def test_mask_union_without_a_trained_router_names_the_command(capsys, tmp_path):
     r = stopped(capsys, mask_union.main, "--out-dir", str(tmp_path), "--out", str(tmp_path / "union"))
     assert_one_line_error(r, "no trained router checkpoint", "python train.py")
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+def draws(logits, n, temperature=1.0, top_k=0, top_p=1.0, seed=0):
+    # n draws of sample_rows from one row of logits, each with fresh uniform noise
+    g = torch.Generator().manual_seed(seed)
+    rows = logits.expand(n, -1)
+    p = lambda v, dtype: torch.full((n,), v, dtype=dtype)
+    return serve.sample_rows(rows, p(temperature, torch.float32), p(top_k, torch.long), p(top_p, torch.float32),
+                             torch.rand(n, logits.shape[-1], generator=g))
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.8),
+                                                       (2.0, 4, 0.9)])
+def test_sampled_tokens_follow_the_softmax_over_the_top_k_and_the_nucleus(temperature, top_k, top_p):
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    # the reference: softmax(logits / T), the top k kept, then the smallest likeliest set reaching top_p
+    prob = torch.softmax(logits / temperature, -1)
+    keep = torch.zeros(8, dtype=torch.bool)
+    keep[:top_k or 8] = True  # logits are sorted, likeliest first
+    prob = torch.where(keep, prob, 0) / torch.where(keep, prob, 0).sum()
+    keep &= (prob.cumsum(0) - prob) < top_p
+    want = torch.where(keep, prob, 0) / torch.where(keep, prob, 0).sum()
+    got = torch.bincount(draws(logits, 40000, temperature, top_k, top_p), minlength=8).float() / 40000
+    assert (got[~keep] == 0).all(), "a token outside the top k or the nucleus was drawn"
+    assert (got - want).abs().max() < 0.015, (got, want)
+
+
+def test_greedy_rows_and_non_finite_rows_in_a_sampled_step():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    logits[3, 7] = float("nan")
+    ids = serve.sample_rows(logits, torch.tensor([0.0, 1.0, 0.5, 1.0]), torch.tensor([0, 1, 0, 0]),
+                            torch.tensor([1.0, 1.0, 1.0, 1.0]), torch.rand(4, 50))
+    assert ids[0] == logits[0].argmax() and ids[1] == logits[1].argmax(), "temperature 0 and top_k 1 are greedy"
+    assert ids[3] == -1, "a row holding NaN gives -1 (the request alone is stopped)"
+
+
+def test_a_sampled_request_gets_the_same_tokens_whatever_shares_its_steps():
+    # Its draws come from its own seeded stream: alone, or next to other (sampled or greedy) requests, the same.
+    torch.manual_seed(0)
+    model = wide_model()
+    ask = lambda: serve.Request([5, 6, 7], 6, temperature=1.2, top_p=0.9, seed=11)
+    runs = []
+    for others in ([], [serve.Request([1, 2], 6), serve.Request([9, 9, 9, 9], 6, temperature=0.8, seed=3)]):
+        server = serve.Server(model, 4, 32)
+        req = ask()
+        server.serve([*others, req], now=itertools.count().__next__)
+        runs.append(req.tokens)
+        server.close()
+    assert runs[0] == runs[1] and len(runs[0]) == 6
