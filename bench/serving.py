@@ -15,13 +15,17 @@ table shows each profile's perplexity next to its speed. Writes .json, .md and .
 against the offered load).
 """
 import argparse
+import asyncio
 import json
 import math
 import os
 import random
+import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import torch
 
@@ -30,7 +34,7 @@ import engine
 from bench import common
 from bench.common import SMOKE, ModelSetup, meta, random_model, save, set_profile
 from policy import Policy
-from serve import Request, Server
+from serve import Loop, Request, Server, make_app
 from wide import routers_off, routers_on
 
 CONTEXT = 131072  # Llama-3.1-8B's context (its rope_scaling stretches the preset's 8192 by 8): the longest slot
@@ -192,6 +196,12 @@ def serving_markdown(rec):
                    f"{r['concurrency_max']} / {r['concurrency_mean']:.1f} | "
                    + (f"{sk['attn']:.0%} / {sk['ffn']:.0%}" if sk else "-") + f" | {phases} | "
                    + ppl_cell(quality, *targets.get(r["profile"], (None, None))) + " |")
+    own = {(r["profile"], r["rate"]): r for r in rec["rows"]}
+    fronts = [(r, own.get((r["profile"][:-len(", HTTP front")], r["rate"]))) for r in rec["rows"]
+              if r["profile"].endswith(", HTTP front")]
+    out += [""] + [f"Through the HTTP front (streaming clients), {r['profile'][:-len(', HTTP front')]} at "
+                   f"{rate_label(r['rate'])}: {r['output_tok_s'] / mine['output_tok_s']:.2f}x the in-process "
+                   f"loop's output tok/s." for r, mine in fronts if mine] if fronts else []
     return "\n".join(out) + "\n"
 
 
@@ -289,6 +299,75 @@ def serve_rates(server, w, name, skip, out_of_time, log):
         yield row
 
 
+class IdText:
+    """The HTTP front's tokenizer for a random-weight model: a text is its token ids (" 12 7 99"), so the front
+    carries exactly the requests the in-process loop serves, and streamed pieces add up (each id's own text)."""
+    def encode(self, text):
+        return SimpleNamespace(ids=[int(t) for t in text.split()])
+
+    def decode(self, ids):
+        return "".join(f" {i}" for i in ids)
+
+    def token_to_id(self, text):
+        return None  # no end-of-text token: every request runs to its max_tokens, as in the loop
+
+
+async def stream_all(url, reqs):
+    """Each request as a streaming client of the front, sent at its arrival: its times as the client sees them
+    (t_first: the first text; t_done: the last event) and its completion tokens from the stream's usage."""
+    import httpx
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=len(reqs) + 8)) as client:
+        async def one(r):
+            await asyncio.sleep(max(0.0, r.arrival - (time.perf_counter() - t0)))
+            body = dict(prompt="".join(f" {i}" for i in r.prompt), max_tokens=r.max_new_tokens, temperature=0,
+                        stream=True)
+            async with client.stream("POST", url, json=body) as reply:
+                if reply.status_code != 200:
+                    r.error, r.t_done = f"HTTP {reply.status_code}", time.perf_counter() - t0
+                    return
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"] and chunk["choices"][0]["text"] and r.t_first is None:
+                        r.t_first = time.perf_counter() - t0
+                    if chunk.get("usage"):
+                        r.tokens = [0] * chunk["usage"]["completion_tokens"]
+            r.t_done = time.perf_counter() - t0
+        await asyncio.gather(*(one(r) for r in reqs))
+
+
+def serve_http(server, w, name, skip, rate, log):
+    """One rate through serve.py's HTTP front (make_app on uvicorn, on a thread; the Server on its own, Loop),
+    each request a streaming client: the row as the clients measured it."""
+    import uvicorn
+    loop = Loop(server)
+    loop.thread.start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    front = uvicorn.Server(uvicorn.Config(make_app(loop, IdText(), name, None), host="127.0.0.1", port=port,
+                                          log_level="warning"))
+    thread = threading.Thread(target=front.run, daemon=True)
+    thread.start()
+    try:
+        while not front.started:
+            time.sleep(0.01)
+        server.steps, server.busy, server.done, server.marks = 0, [], [], []
+        reqs = draw_requests(w, rate, w.seed, server.model.config.vocab_size)
+        t = time.perf_counter()
+        asyncio.run(stream_all(f"http://127.0.0.1:{port}/v1/completions", reqs))
+        row = dict(rate=rate, profile=f"{name}, HTTP front", skip=skip, **summarize(reqs, server, time.perf_counter() - t))
+    finally:
+        front.should_exit = True
+        thread.join()
+        loop.stop()
+    log(f"{name} through the HTTP front, rate {rate:g}: {row['output_tok_s']:.1f} tok/s, TTFT p99 "
+        f"{row['ttft_p99_ms']:.0f} ms, TPOT p99 {row['tpot_p99_ms']:.1f} ms")
+    return row
+
+
 def run_bench(w, args, argv):
     t_start = time.time()
     log = lambda text: print(f"[{time.time() - t_start:5.0f}s] {text}", flush=True)
@@ -326,6 +405,9 @@ def run_bench(w, args, argv):
             for row in serve_rates(server, w, name, skip, out_of_time, log):
                 rec["rows"].append(row)
                 publish()
+                if args.http and not out_of_time(f"{name} rate {row['rate']:g}, HTTP front"):
+                    rec["rows"].append(serve_http(server, w, name, skip, row["rate"], log))
+                    publish()
         finally:
             server.close()
             del server, forward
@@ -421,6 +503,8 @@ def main(argv=None):
     # >= Policy.sparse_prefill_min_tokens: WIDE's sparse prefill kernels run (smaller chunks: results/serving.md)
     p.add_argument("--chunk", type=cli.integer(1), default=2048, help="prefill chunk in tokens (a long prompt "
                    "does not stall the running decodes for longer than one chunk)")
+    p.add_argument("--http", action="store_true", help="also serve each rate through serve.py's HTTP front, each "
+                   "request a streaming client (rows '<profile>, HTTP front')")
     p.add_argument("--redraw", metavar="JSON", default=None, help="measure nothing: rewrite the .md and .png of an "
                    "earlier run from its .json (e.g. after python eval.py --serving-only wrote new perplexities)")
     args = p.parse_args(argv)  # every flag checked here, before the device check: the same error on any machine

@@ -206,6 +206,19 @@ def test_smoke_run_serves_through_the_slots_asked_for_and_records_them(tmp_path)
     assert (tmp_path / "serving.png").stat().st_size > 1000
 
 
+@pytest.mark.skipif(not kernels_base.INTERPRET, reason="--smoke runs the kernels in the Triton interpreter (the CPU test "
+                    "setup); on a GPU `python -m bench.serving --http` is the real run")
+def test_smoke_run_through_the_http_front_serves_the_same_tokens_as_the_loop(tmp_path):
+    rec = serving.main(["--smoke", "--slots", "2", "--rates", "inf", "--output", "3,3", "--profiles", "0.5/0.5",
+                        "--http", "--out", str(tmp_path / "serving")])
+    assert [r["profile"] for r in rec["rows"]] == ["dense", "dense, HTTP front", "WIDE 50/50",
+                                                   "WIDE 50/50, HTTP front"]
+    for loop, front in zip(rec["rows"][::2], rec["rows"][1::2]):
+        assert front["rejected"] == 0 and front["output_tokens"] == loop["output_tokens"] == 3 * loop["requests"]
+    md = (tmp_path / "serving.md").read_text()
+    assert "Through the HTTP front (streaming clients), WIDE 50/50 at all at once:" in md
+
+
 def test_redraw_rewrites_the_tables_from_the_json_with_todays_quality_file(tmp_path, monkeypatch):
     rec = record([INF])
     path = tmp_path / "serving.json"
