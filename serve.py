@@ -12,16 +12,15 @@ rows that are not decoding run a dummy token where no request reads. Overload, c
 logits end one request alone, with one line in Request.error (tests/test_serve_stress.py). Greedy, with decode
 steps of at most model.ffn_rule.max_rows rows (wide.FFNRule), gives every request the tokens of generating it
 alone (tests/test_serve.py); sampling draws from each request's own seeded stream (sample_rows).
-
-    python serve.py --sparsity 0.5 --port 8000    # the HTTP front: POST /v1/completions, GET /v1/models, /health
-
-The front (make_app) is FastAPI; the Server runs on a thread of its own (Loop); any OpenAI client can talk to it.
+    python serve.py --sparsity 0.5 --port 8000    # the OpenAI-compatible front (FastAPI, make_app; the Server
+                                                  # on its own thread, Loop): /v1/completions, /v1/models, /health
 """
 import asyncio
 import contextlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -339,11 +338,11 @@ class Server:
 
 # ----------------------------------------------------------------------------------- the HTTP front
 class Loop:
-    """The Server on a thread of its own, for the HTTP front. Only this thread touches the Server (its lists,
-    the model): requests and cancels come in through `inbox`, and after each tick every watched request whose
-    tokens grew or that ended is reported to its callback, on this thread (the front hands it to asyncio)."""
+    """The Server on a thread of its own, for the HTTP front: only this thread touches it. Requests and cancels come
+    in through `inbox`; after each tick, each request whose tokens grew or that ended is reported to its callback."""
 
     def __init__(self, server):
+        sys.setswitchinterval(5e-4)  # the GIL back within 0.5 ms of a step's sync, not 5: the front holds it in bursts
         self.server, self.inbox, self.watched = server, [], {}  # watched: request -> (callback, tokens reported)
         self.wake, self.stopping, self.t0 = threading.Condition(), False, time.perf_counter()
         self.thread = threading.Thread(target=self.run, name="serve-loop", daemon=True)
@@ -352,7 +351,7 @@ class Loop:
         return time.perf_counter() - self.t0
 
     def put(self, req, report=None):
-        """Submit req, report(tokens, finish, error, ended) called as it makes progress; no report: cancel it."""
+        """Submit req, report(len(tokens), finish, error, ended) called as it makes progress; no report: cancel it."""
         with self.wake:
             self.inbox.append((req, report))
             self.wake.notify()
@@ -386,7 +385,7 @@ class Loop:
             for req, (report, sent) in list(self.watched.items()):
                 ended = req.t_done is not None
                 if ended or len(req.tokens) > sent:
-                    report(list(req.tokens), req.finish, req.error, ended)
+                    report(len(req.tokens), req.finish, req.error, ended)  # (a count: no copy on this thread)
                     self.watched[req] = (report, len(req.tokens))
                 if ended:
                     del self.watched[req]
@@ -398,11 +397,10 @@ class BadRequest(Exception):
 
 def field_of(body, name, kind, default, ok=lambda v: True, rule=""):
     # One field of a JSON body: the right type (an int is a number too; a bool is not an int) and range.
-    v = body.get(name, default)
+    v = body.get(name)
     if v is None:
         return default
-    if kind is float and isinstance(v, int) and not isinstance(v, bool):
-        v = float(v)
+    v = float(v) if kind is float and type(v) is int else v
     if not isinstance(v, kind) or isinstance(v, bool) != (kind is bool) or not ok(v):
         raise BadRequest(400, f"{name}: {v!r} is not {rule or kind.__name__}")
     return v
@@ -415,8 +413,7 @@ def completion_params(body, name, slot_len, tok, eot):
     if body.get("model") not in (None, name):
         raise BadRequest(404, f"model {body['model']!r} is not served here; this server serves {name!r}")
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
+    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
     if not isinstance(prompt, str):
         raise BadRequest(400, "prompt: give one string (for several prompts, send one request each)")
     for unsupported, neutral in (("n", 1), ("best_of", 1), ("echo", False), ("logprobs", None), ("suffix", None),
@@ -442,11 +439,14 @@ def completion_params(body, name, slot_len, tok, eot):
     return req, stop, field_of(body, "stream", bool, False)
 
 
-def visible_text(tok, tokens, stop_ids, stop, ended):
+def visible_text(tok, tokens, stop_ids, stop, ended, done):
     """(text so far, a stop string was found): the tokens' text without stop ids, cut at the first stop string.
     Until the request ends, a tail that could still become a stop string, or an unfinished UTF-8 character,
-    is held back."""
-    text = tok.decode([t for t in tokens if t not in stop_ids])
+    is held back. done: [tokens, their text] decoded before, which this advances: only the rest is decoded."""
+    tail = tok.decode([t for t in tokens[done[0]:] if t not in stop_ids])
+    text = done[1] + tail
+    if not tail.endswith("\ufffd"):  # whole characters: the next update starts from here
+        done[:] = [len(tokens), text]
     cuts = [text.find(s) for s in stop if s in text]
     if cuts:
         return text[:min(cuts)], True
@@ -497,10 +497,12 @@ def make_app(loop, tok, name, eot):
 
         async def progress():
             # (text, finish reason or None) as tokens arrive; cancels the request once a stop string shows
-            update = first
+            update, done = first, [0, ""]
             while True:
-                tokens, finish, err, ended = update
-                text, stopped = visible_text(tok, tokens, req.stop_ids, stop, ended)
+                while not updates.empty():  # behind the loop: only the latest update matters
+                    update = updates.get_nowait()
+                n, finish, err, ended = update
+                text, stopped = visible_text(tok, req.tokens[:n], req.stop_ids, stop, ended, done)
                 if stopped and not ended:
                     loop.put(req)
                 if stopped or ended:
@@ -527,10 +529,9 @@ def make_app(loop, tok, name, eot):
             try:
                 async for text, finish in progress():
                     if text != sent or finish:
-                        chunk = dict(reply, choices=[dict(text=text[len(sent):], index=0, logprobs=None,
-                                                          finish_reason=finish)])
-                        sent = text
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                        piece, sent = text[len(sent):], text
+                        choice = dict(text=piece, index=0, logprobs=None, finish_reason=finish)
+                        yield f"data: {json.dumps(dict(reply, choices=[choice]))}\n\n"
                 yield f"data: {json.dumps(dict(reply, choices=[], usage=usage()))}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
@@ -569,10 +570,9 @@ def main(argv=None):
             s.bind((args.host, args.port))
         except OSError as e:
             cli.fail(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); pick another with --port")
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    path, model, wcfg, _ = checkpoints.load_for_inference(args.checkpoint, args.model, args.out_dir, "wide",
-                                                          args.sparsity, None, None, windows=data.dial_windows,
-                                                          device=args.device, dtype=dtype)
+    path, model, wcfg, _ = checkpoints.load_for_inference(
+        args.checkpoint, args.model, args.out_dir, "wide", args.sparsity, None, None, windows=data.dial_windows,
+        device=args.device, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     forward = engine.select(model.eval(), args.backend, weights=args.weights)  # the one backend switch
     if args.weights == "fp8" and not isinstance(forward, engine.Engine):
         cli.fail("--weights fp8 runs on the Triton engine; add --backend triton (a CUDA GPU)")
