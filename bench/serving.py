@@ -40,6 +40,7 @@ from wide import routers_off, routers_on
 CONTEXT = 131072  # Llama-3.1-8B's context (its rope_scaling stretches the preset's 8192 by 8): the longest slot
 QUALITY = os.path.join("results", "quality_serving.json")  # perplexity per profile: python eval.py --serving-only
 DENSE = ("dense", None, None)  # (name, attention sparsity, FFN sparsity); dense: the routers removed
+HTTP = ", HTTP front"  # after a profile's name: its rows served through serve.py's HTTP front (--http)
 
 
 @dataclass
@@ -184,9 +185,10 @@ def serving_markdown(rec):
            "| rate (req/s) | profile | output tok/s | vs dense | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | "
            "concurrency max / mean | skipped attn / FFN | prefill ms per 1k tokens | decode ms per step | "
            "in-phase share of wall | ppl / dense |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    dense = {r["rate"]: r for r in rec["rows"] if r["profile"] == "dense"}
+    front = lambda name: name.endswith(HTTP)  # a row served through the HTTP front: compared with dense's
+    dense = {(r["rate"], front(r["profile"])): r for r in rec["rows"] if r["profile"] in ("dense", "dense" + HTTP)}
     for r in sorted(rec["rows"], key=lambda r: r["rate"]):  # stable: the profiles in run order at each rate
-        d, sk = dense.get(r["rate"]), r.get("skip") or {}
+        d, sk = dense.get((r["rate"], front(r["profile"]))), r.get("skip") or {}
         ratio = f"{r['output_tok_s'] / d['output_tok_s']:.2f}x" if d else "-"
         phases = (f"{r['prefill_ms_per_1k_tokens']:.1f} | {r['decode_ms_per_step']:.2f} | {r['in_phase_share']:.0%}"
                   if "decode_ms_per_step" in r else "- | - | -")
@@ -195,11 +197,10 @@ def serving_markdown(rec):
                    f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
                    f"{r['concurrency_max']} / {r['concurrency_mean']:.1f} | "
                    + (f"{sk['attn']:.0%} / {sk['ffn']:.0%}" if sk else "-") + f" | {phases} | "
-                   + ppl_cell(quality, *targets.get(r["profile"], (None, None))) + " |")
+                   + ppl_cell(quality, *targets.get(r["profile"].removesuffix(HTTP), (None, None))) + " |")
     own = {(r["profile"], r["rate"]): r for r in rec["rows"]}
-    fronts = [(r, own.get((r["profile"][:-len(", HTTP front")], r["rate"]))) for r in rec["rows"]
-              if r["profile"].endswith(", HTTP front")]
-    out += [""] + [f"Through the HTTP front (streaming clients), {r['profile'][:-len(', HTTP front')]} at "
+    fronts = [(r, own.get((r["profile"].removesuffix(HTTP), r["rate"]))) for r in rec["rows"] if front(r["profile"])]
+    out += [""] + [f"Through the HTTP front (streaming clients), {r['profile'].removesuffix(HTTP)} at "
                    f"{rate_label(r['rate'])}: {r['output_tok_s'] / mine['output_tok_s']:.2f}x the in-process "
                    f"loop's output tok/s." for r, mine in fronts if mine] if fronts else []
     return "\n".join(out) + "\n"
@@ -358,7 +359,7 @@ def serve_http(server, w, name, skip, rate, log):
         reqs = draw_requests(w, rate, w.seed, server.model.config.vocab_size)
         t = time.perf_counter()
         asyncio.run(stream_all(f"http://127.0.0.1:{port}/v1/completions", reqs))
-        row = dict(rate=rate, profile=f"{name}, HTTP front", skip=skip, **summarize(reqs, server, time.perf_counter() - t))
+        row = dict(rate=rate, profile=name + HTTP, skip=skip, **summarize(reqs, server, time.perf_counter() - t))
     finally:
         front.should_exit = True
         thread.join()
