@@ -210,7 +210,7 @@ def test_smoke_run_serves_through_the_slots_asked_for_and_records_them(tmp_path)
                     "setup); on a GPU `python -m bench.serving --http` is the real run")
 def test_smoke_run_through_the_http_front_serves_the_same_tokens_as_the_loop(tmp_path):
     rec = serving.main(["--smoke", "--slots", "2", "--rates", "inf", "--output", "3,3", "--profiles", "0.5/0.5",
-                        "--http", "--out", str(tmp_path / "serving")])
+                        "--requests", "2", "--http", "--out", str(tmp_path / "serving")])
     assert [r["profile"] for r in rec["rows"]] == ["dense", "dense, HTTP front", "WIDE 50/50",
                                                    "WIDE 50/50, HTTP front"]
     for loop, front in zip(rec["rows"][::2], rec["rows"][1::2]):
