@@ -25,7 +25,6 @@ import data
 import engine
 import wide
 from dial import describe_offsets
-from model import Transformer
 
 EOT = "<|endoftext|>"
 

@@ -1,7 +1,7 @@
 """serve.py's HTTP front as a client sees it: the OpenAI client against a server on localhost (a tiny
 checkpoint, backend torch on the CPU): whole and streamed completions, several clients at once, sampling
 that follows its seed, stop strings, bad requests, a full queue, and a client that leaves mid-stream."""
-import json
+import os
 import socket
 import threading
 import time
@@ -11,35 +11,20 @@ import pytest
 import torch
 
 import checkpoints
-import data
 import engine
 import serve
-import wide
 from conftest import assert_one_line_error, run_main, stopped
 from generate import generate
-from model import ModelConfig, Transformer
+from test_generate import out_dir  # noqa: F401  (the fixture: a tiny router checkpoint)
 
 openai = pytest.importorskip("openai")
-TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n" * 5
 EOT = "<|endoftext|>"
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    """A router checkpoint as train.py writes it (random weights and routers, a tokenizer trained on TEXT)."""
-    out = tmp_path_factory.mktemp("out")
-    tok = data.train_tokenizer([TEXT], 300)
-    torch.manual_seed(0)
-    m = Transformer(ModelConfig(vocab_size=tok.get_vocab_size(), dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                intermediate_size=128, max_seq_len=64))
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)  # clear argmax margins
-    wide.install_routers(m, wide.WideConfig(ffn_group_size=32))
-    path = str(out / "wide-s0.5-stage1")
-    checkpoints.save_wide(path, m, tok, wide.WideConfig(ffn_group_size=32))
-    return path
+def ckpt(out_dir):
+    """generate.py's test checkpoint: a router checkpoint as train.py writes it (random weights and routers)."""
+    return os.path.join(out_dir, "wide-s0.5-stage1")
 
 
 def free_port():
