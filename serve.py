@@ -582,7 +582,7 @@ def main(argv=None):
         cli.fail(f"--slot-len {slot_len} exceeds the model's context of {model.config.max_seq_len}")
     server = Server(forward, args.slots, slot_len, chunk=args.chunk, max_queue=args.max_queue)
     server.warm_up()  # every decode bucket's CUDA graph, before the first request (on a GPU)
-    name = os.path.basename(os.path.normpath(path)) if os.path.isdir(path) else args.model
+    name = "-".join(filter(None, [args.model, os.path.basename(os.path.normpath(path)) if os.path.isdir(path) else ""]))
     loop = Loop(server)
     loop.thread.start()
     import uvicorn
