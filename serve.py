@@ -12,8 +12,7 @@ rows that are not decoding run a dummy token where no request reads. Overload, c
 logits end one request alone, with one line in Request.error (tests/test_serve_stress.py). Greedy, with decode
 steps of at most model.ffn_rule.max_rows rows (wide.FFNRule), gives every request the tokens of generating it
 alone (tests/test_serve.py); sampling draws from each request's own seeded stream (sample_rows).
-    python serve.py --sparsity 0.5 --port 8000    # the OpenAI-compatible front (FastAPI, make_app; the Server
-                                                  # on its own thread, Loop): /v1/completions, /v1/models, /health
+    python serve.py --sparsity 0.5 --port 8000    # the OpenAI-compatible front (make_app) over the loop (Loop)
 """
 import asyncio
 import contextlib
@@ -284,11 +283,10 @@ class Server:
         unless a row's request samples (sample_rows, with noise from that request's generator)."""
         if all(r is None or r.temperature == 0 for r in rows):
             return greedy(logits)
-        n, vocab = logits.shape
-        noise = torch.zeros(n, vocab, device=logits.device)
+        noise = torch.zeros(logits.shape, device=logits.device)
         for i, r in enumerate(rows):
             if r is not None and r.temperature > 0:
-                noise[i] = torch.rand(vocab, generator=r.generator, device=logits.device)
+                noise[i] = torch.rand(logits.shape[1], generator=r.generator, device=logits.device)
         param = lambda name, empty, dtype: torch.tensor([empty if r is None else getattr(r, name) for r in rows],
                                                         dtype=dtype, device=logits.device)
         return sample_rows(logits, param("temperature", 0.0, torch.float32), param("top_k", 0, torch.long),
@@ -344,6 +342,7 @@ class Loop:
     def __init__(self, server):
         sys.setswitchinterval(5e-4)  # the GIL back within 0.5 ms of a step's sync, not 5: the front holds it in bursts
         self.server, self.inbox, self.watched = server, [], {}  # watched: request -> (callback, tokens reported)
+        self.deliver = lambda batch: [report(*u) for report, u in batch]  # a step's reports (the front: one wake-up)
         self.wake, self.stopping, self.t0 = threading.Condition(), False, time.perf_counter()
         self.thread = threading.Thread(target=self.run, name="serve-loop", daemon=True)
 
@@ -382,13 +381,15 @@ class Loop:
                 for req in [*self.server.queue, *(r for r in self.server.slots if r is not None)]:
                     self.server.cancel(req, self.now())
                     req.error = f"server error: {type(e).__name__}: {e}"
+            batch = []
             for req, (report, sent) in list(self.watched.items()):
                 ended = req.t_done is not None
                 if ended or len(req.tokens) > sent:
-                    report(len(req.tokens), req.finish, req.error, ended)  # (a count: no copy on this thread)
+                    batch.append((report, (len(req.tokens), req.finish, req.error, ended)))  # a count: no copy here
                     self.watched[req] = (report, len(req.tokens))
                 if ended:
                     del self.watched[req]
+            self.deliver(batch) if batch else None
 
 
 class BadRequest(Exception):
@@ -464,13 +465,10 @@ def make_app(loop, tok, name, eot):
     error = lambda status, message: JSONResponse({"error": dict(message=message, code=status, type=(
         "invalid_request_error" if status < 500 else "server_error"))}, status_code=status)
 
-    @app.get("/health")
-    def health():
-        return dict(status="ok", running=sum(r is not None for r in loop.server.slots), queued=len(loop.server.queue))
-
-    @app.get("/v1/models")
-    def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "wide"}]}
+    app.get("/health")(lambda: dict(status="ok", running=sum(r is not None for r in loop.server.slots),
+                                    queued=len(loop.server.queue)))
+    app.get("/v1/models")(lambda: {"object": "list", "data": [dict(id=name, object="model", created=created,
+                                                                   owned_by="wide")]})
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
@@ -482,7 +480,8 @@ def make_app(loop, tok, name, eot):
         except BadRequest as e:
             return error(*e.args)
         updates, aloop = asyncio.Queue(), asyncio.get_running_loop()
-        loop.put(req, lambda *u: aloop.call_soon_threadsafe(updates.put_nowait, u))
+        loop.deliver = lambda batch: aloop.call_soon_threadsafe(lambda: [report(*u) for report, u in batch])
+        loop.put(req, lambda *u: updates.put_nowait(u))
         while True:  # queued or prefilling: a client that leaves meanwhile gives its place up
             try:
                 first = await asyncio.wait_for(updates.get(), 0.1)
@@ -509,6 +508,7 @@ def make_app(loop, tok, name, eot):
                     yield text, "stop" if stopped else finish or ("length" if err is None else "abort")
                     return
                 yield text, None
+                await asyncio.sleep(0.02)  # then the latest update: fewer, longer events, less work beside the loop
                 update = await updates.get()
 
         usage = lambda: {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.tokens),
