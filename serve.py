@@ -340,7 +340,7 @@ class Loop:
     in through `inbox`; after each tick, each request whose tokens grew or that ended is reported to its callback."""
 
     def __init__(self, server):
-        sys.setswitchinterval(5e-4)  # the GIL back within 0.5 ms of a step's sync, not 5: the front holds it in bursts
+        sys.setswitchinterval(5e-4)  # the GIL back soon after a step's sync: the front holds it in bursts
         self.server, self.inbox, self.watched = server, [], {}  # watched: request -> (callback, tokens reported)
         self.deliver = lambda batch: [report(*u) for report, u in batch]  # a step's reports (the front: one wake-up)
         self.wake, self.stopping, self.t0 = threading.Condition(), False, time.perf_counter()

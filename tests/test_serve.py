@@ -215,3 +215,16 @@ def test_a_sampled_request_gets_the_same_tokens_whatever_shares_its_steps():
         runs.append(req.tokens)
         server.close()
     assert runs[0] == runs[1] and len(runs[0]) == 6
+
+
+def test_a_stop_id_ends_the_request_at_its_first_occurrence_and_says_so():
+    torch.manual_seed(0)
+    model = wide_model()
+    want = alone(model, serve.Request([5, 6, 7], 8))
+    stop = want[2]
+    server = serve.Server(model, 2, 32)
+    stopped, full = serve.Request([5, 6, 7], 8, stop_ids=(stop,)), serve.Request([5, 6, 7], 8)
+    server.serve([stopped, full], now=itertools.count().__next__)
+    server.close()
+    assert stopped.tokens == want[:want.index(stop) + 1] and stopped.finish == "stop" and stopped.error is None
+    assert full.tokens == want and full.finish == "length"
