@@ -27,7 +27,7 @@ from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
 from kernels_step import norm_route, rms_norm, rope_and_store
-from policy import Plan, Policy, Shape
+from policy import GEMV_MAX_TOKENS, Plan, Policy, Shape
 from wide import shared_by_vote
 
 
@@ -365,6 +365,18 @@ class Engine:
                                   w_scale=sd, live=channel_live).view(B, T, D)
         return residual + F.linear(a, wd).view(B, T, D)  # exact: the pruned channels of `a` are zero
 
+    @torch.no_grad()
+    def warm_prefill(self, chunk, positions):
+        """One prefill chunk of every shape a server sends (warm_chunks), into row 0 of the cache set up now,
+        positions < `positions`; the caller clears that row after. Returns how many chunks ran."""
+        shapes = warm_chunks(chunk, positions, self.policy)
+        device = self.tickets.device
+        for T, start in shapes:
+            idx = torch.zeros(1, T, dtype=torch.long, device=device)
+            self(idx, input_pos=torch.arange(start, start + T, device=device),
+                 logits_at=torch.tensor([T - 1], device=device))
+        return len(shapes)
+
     def no_groups(self, M):
         # gemm_mn's mask when every row is its dense tail (the dense model): [M, 0]
         return self.constant_mask(M, 0)
@@ -379,6 +391,34 @@ class Engine:
         if (M, G) not in self.constant_masks:
             self.constant_masks[M, G] = torch.ones(M, G, dtype=torch.bool, device=self.tickets.device)
         return self.constant_masks[M, G]
+
+
+def warm_chunks(chunk, positions, policy):
+    """(tokens, start) of the prefill chunks a server runs before its first request (Engine.warm_prefill) so
+    that no chunk it serves later compiles a Triton kernel inside a request's latency. A served prompt of P
+    tokens runs chunks of `chunk` tokens from start 0, then a remainder: any length 1..chunk, at start 0 or at
+    a multiple of `chunk` (a slot holds `positions` of them). Triton compiles a kernel once per set of
+    constexpr values and per class of each int argument (1, a multiple of 16, other). So:
+      - every length up to the decode-sized paths' limits: those kernels keep their token count specialized
+        (one token is their decode step) and the plan changes at the policy's small thresholds;
+      - beyond that the prefill kernels take their token counts and starts unspecialized
+        (do_not_specialize), and what still varies is a constexpr bucket (the layout's next power of two)
+        or a plan threshold: each bucket's longest length and the one below it, each threshold's neighbours;
+      - each at start 0 and at start `chunk`, where the plan differs (dense: SDPA at 0, the prefill kernel
+        after; a one-token chunk after 0 runs as a decode step)."""
+    small = max(2 * GEMV_MAX_TOKENS, policy.router_max_tokens + 1, policy.sparse_decode_max_tokens + 1,
+                policy.dense_gemv_max_tokens + 1)
+    t = policy.sparse_prefill_min_tokens
+    out = []
+    for start in (0, chunk):
+        room = min(chunk, positions - start)  # the longest chunk at this start
+        lengths = set(range(1, small + 1)) | {t - 1, t, t + 1}
+        p = 1
+        while p < 2 * room:  # each power-of-two bucket up to room's: its longest length and the one below
+            lengths |= {min(p, room), min(p, room) - 1}
+            p *= 2
+        out += [(T, start) for T in sorted(lengths) if 1 <= T <= room]
+    return out
 
 
 def dense_group(n):

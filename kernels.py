@@ -69,7 +69,7 @@ def gemm_mn_ref(x, w, mask, group_size, w_up=None, dense_tail=0, w_scale=None, w
     return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "NT"])  # token counts: see engine.warm_chunks
 def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, som,
                     GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     FUSED: tl.constexpr, ZERO: tl.constexpr, EVEN_K: tl.constexpr,

@@ -39,7 +39,7 @@ def layout_ref(mask, block_m):
                   mask3.sum(1, dtype=torch.int32), block_m, B)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "M"])  # token counts: see engine.warm_chunks
 def _layout_kernel(mask, counts, bcounts, perm, T, G, M, BLOCK: tl.constexpr):
     """Stable partition of one group's tokens (the routing layout), by prefix sums.
 
@@ -71,7 +71,7 @@ def _layout_kernel(mask, counts, bcounts, perm, T, G, M, BLOCK: tl.constexpr):
         seen += tl.sum(bits, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NT"])
 def _worklist_kernel(counts, work, G, NT, BM: tl.constexpr, GP: tl.constexpr):
     """The compact work list: live (group, token-tile) items first, group-major, then the dead ones.
 

@@ -97,7 +97,7 @@ def _rotate(src, dst, ok, c1, c2, s1, s2, HALF: tl.constexpr):
     tl.store(dst + HALF, (a2 * c2 + a1 * s2).to(x1.dtype).to(dst.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # chunk lengths: see engine.warm_chunks
 def _rope_kernel(q, k, v, cos, sin, slot, q_out, k_dst, v_dst, T, H, HKV, sq, sk, sdb, sdh, sdt,
                  HP: tl.constexpr, HKP: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
     """RoPE for every head of one token. Grid (B*T,): the query heads go to q_out; the key heads, and

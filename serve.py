@@ -5,11 +5,11 @@ Serving: many requests at once through one static KV cache (continuous batching)
                                    one prefill piece, then one decode step for all running slots, repeat
 
 The cache has `n_slots` rows of `slot_len` positions, set up once. A request takes the lowest free slot, is
-prefilled straight into that row (SlotView: generate.py's prefill at batch 1, no copy), then decodes one
-token per step next to every other running request, each at its own position. A decode step runs the
-smallest bucket of rows (BUCKETS) that covers the highest running slot, one CUDA graph per bucket on a GPU;
-rows that are not decoding run a dummy token where no request reads. Overload, cancellation and non-finite
-logits end one request alone, with one line in Request.error (tests/test_serve_stress.py). Greedy, with decode
+prefilled straight into that row (SlotView: generate.py's prefill at batch 1, no copy), then decodes one token
+per step beside every other running request, each at its own position. A decode step runs the smallest bucket
+of rows (BUCKETS) covering the highest running slot, one CUDA graph per bucket on a GPU (warm_up compiles and
+captures all before the first request); rows not decoding run a dummy token where no request reads. Overload,
+cancellation and non-finite logits end one request alone, with one line in Request.error. Greedy, with decode
 steps of at most model.ffn_rule.max_rows rows (wide.FFNRule), gives every request the tokens of generating it
 alone (tests/test_serve.py); sampling draws from each request's own seeded stream (sample_rows).
     python serve.py --sparsity 0.5 --port 8000    # the OpenAI-compatible front (make_app) over the loop (Loop)
@@ -123,7 +123,7 @@ class Server:
         self.queue = []                  # waiting for a slot, at most max_queue
         self.done = []                   # every request that ended: done, rejected, cancelled or stopped
         self.steps, self.busy = 0, []    # decode steps run; running requests at each step
-        self.marks = []                  # [phase, start, end (CUDA events or clock), tokens or rows]
+        self.marks = []                  # [phase, start, end (CUDA events or clock), tokens or rows]: bench.serving
 
     def close(self):
         self.graphs.clear()
@@ -224,17 +224,6 @@ class Server:
             b.record(stream)
         self.marks.append(mark)
 
-    def phase_ms(self):
-        """{phase: (total ms, steps, tokens)} over the marks so far (prefill tokens, decode rows)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        out = {}
-        for phase, a, b, n in self.marks:
-            ms = a.elapsed_time(b) if self.device.type == "cuda" else (b - a) * 1e3
-            t, k, tok = out.get(phase, (0.0, 0, 0))
-            out[phase] = (t + ms, k + 1, tok + n)
-        return out
-
     def prefill(self, req, now):
         P, start = len(req.prompt), req.prefilled
         end = P if not self.chunk else min(P, start + self.chunk)
@@ -309,12 +298,20 @@ class Server:
             self.end(req, read(now))
 
     @torch.no_grad()  # the Triton engine refuses grad-enabled calls, and graphs capture no autograd
-    def warm_up(self):
-        """Capture every bucket's CUDA graph before timing (all slots free: dummy rows at position 0)."""
+    def warm_up(self, prefill=None):
+        """Before the first request, so that none pays a compile in its latency: a prefill chunk of every shape a
+        request can reach (Engine.warm_prefill; default: on a GPU, as the interpreter compiles nothing), every
+        decode bucket's CUDA graph (all slots free: dummy rows at position 0), and the sampler once."""
+        if self.is_engine and (self.cuda_graph if prefill is None else prefill):
+            self.use_rows(slice(0, 1))
+            self.forward.warm_prefill(self.chunk or self.slot_len - 1, self.slot_len - 1)
+            self.scrub(0)
         for n in self.buckets if self.cuda_graph else []:
             self.use_rows(slice(0, n))
             z = torch.zeros(n, 1, dtype=torch.long, device=self.device)
             self.graphs[n] = engine.CUDAGraphDecoder(self.forward, z, z.view(-1).clone())
+        one = torch.ones(1, device=self.device)
+        sample_rows(torch.zeros(1, 8, device=self.device), one, one.long(), one, torch.rand(1, 8, device=self.device))
 
     def serve(self, requests, now=None):
         """Serve requests (arrival: seconds after the start) until each has ended (done, rejected, stopped).
@@ -581,7 +578,7 @@ def main(argv=None):
     if slot_len > model.config.max_seq_len:
         cli.fail(f"--slot-len {slot_len} exceeds the model's context of {model.config.max_seq_len}")
     server = Server(forward, args.slots, slot_len, chunk=args.chunk, max_queue=args.max_queue)
-    server.warm_up()  # every decode bucket's CUDA graph, before the first request (on a GPU)
+    server.warm_up()  # every kernel compiled and every decode graph captured before the first request (on a GPU)
     name = "-".join(filter(None, [args.model, os.path.basename(os.path.normpath(path)) if os.path.isdir(path) else ""]))
     loop = Loop(server)
     loop.thread.start()

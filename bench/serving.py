@@ -115,7 +115,19 @@ def summarize(reqs, server, wall_s):
                 tpot_p50_ms=pct(tpot, 50) * 1e3, tpot_p99_ms=pct(tpot, 99) * 1e3,
                 concurrency_max=max(server.busy, default=0),
                 concurrency_mean=sum(server.busy) / max(1, len(server.busy)), decode_steps=server.steps,
-                **phase_columns(server.phase_ms(), wall_s))
+                **phase_columns(phase_ms(server), wall_s))
+
+
+def phase_ms(server):
+    """{phase: (total ms, steps, tokens)} over the server's marks (Server.timed: prefill tokens, decode rows)."""
+    if server.device.type == "cuda":
+        torch.cuda.synchronize()
+    out = {}
+    for phase, a, b, n in server.marks:
+        ms = a.elapsed_time(b) if server.device.type == "cuda" else (b - a) * 1e3
+        t, k, tok = out.get(phase, (0.0, 0, 0))
+        out[phase] = (t + ms, k + 1, tok + n)
+    return out
 
 
 def phase_columns(ph, wall_s):

@@ -51,6 +51,8 @@ class LaunchRecorder:
         import kernels_layout
         import kernels_step
         self.grids, self.constants = {}, {}  # name -> grids; name -> the launches' int/bool keyword args
+        self.keys = set()  # (name, specialization): what Triton would compile each launch for (specialization)
+        self.dry = False  # True: record the launches without running them (their outputs stay unwritten)
         for mod in (kernels, kernels_gemv, kernels_layout, kernels_attention, kernels_step, engine):
             for name, fn in list(vars(mod).items()):
                 if name.endswith("_kernel") and hasattr(fn, "__getitem__"):
@@ -67,7 +69,8 @@ class LaunchRecorder:
                     recorder.grids.setdefault(name, []).append(tuple(grid))
                     recorder.constants.setdefault(name, []).append(
                         {k: v for k, v in kwargs.items() if isinstance(v, (bool, int))})
-                    return launch(*args, **kwargs)
+                    recorder.keys.add((name, specialization(fn, args, kwargs)))
+                    return None if recorder.dry else launch(*args, **kwargs)
                 return run
         return Spy()
 
@@ -77,6 +80,33 @@ class LaunchRecorder:
     def clear(self):
         self.grids.clear()
         self.constants.clear()
+        self.keys.clear()
+
+
+def specialization(fn, args, kwargs):
+    """The key a compiled (not interpreted) Triton kernel is looked up by, as far as a launch decides it: each
+    constexpr's value; each int's class (1, a multiple of 16, other) unless the kernel marks it
+    do_not_specialize; each tensor's dtype and 16-byte alignment; the launch options. A launch whose key no
+    earlier launch had would compile (or load) a new binary on a GPU. The interpreter has no such cache, so
+    tests emulate it here (tests/test_serve.py: a warmed-up server compiles nothing while it serves)."""
+    import inspect
+    import triton.language as tl
+    params = inspect.signature(fn.fn).parameters
+    constexpr = {n for n, p in params.items() if p.annotation is tl.constexpr or p.annotation == "tl.constexpr"}
+    free = set(fn.kwargs.get("do_not_specialize") or ())
+    bound = dict(zip(fn.arg_names, args), **{k: v for k, v in kwargs.items() if k in params})
+    key = []
+    for i, name in enumerate(fn.arg_names):
+        v = bound.get(name)
+        if name in constexpr:
+            key.append(v)
+        elif isinstance(v, torch.Tensor):
+            key.append((v.dtype, v.data_ptr() % 16 == 0))
+        elif isinstance(v, bool) or not isinstance(v, int):
+            key.append(type(v).__name__)
+        else:
+            key.append("int" if name in free or i in free else ("1" if v == 1 else "D" if v % 16 == 0 else "int"))
+    return tuple(key) + tuple(sorted((k, v) for k, v in kwargs.items() if k not in params))
 
 
 @pytest.fixture

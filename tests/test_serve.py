@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import engine
+from model import ModelConfig
+from policy import Policy
 import kernels_base
 import serve
 from bench import common, serving
@@ -65,7 +67,7 @@ def test_phase_times_count_every_prompt_token_and_decode_step():
     m = wide_model()
     reqs = requests(3, 6)
     server = serve_all(m, reqs, n_slots=3, slot_len=32, chunk=4)
-    ph = server.phase_ms()
+    ph = serving.phase_ms(server)
     assert ph["prefill"][2] == sum(len(r.prompt) for r in reqs) and ph["prefill"][1] >= len(reqs)
     assert ph["decode"][1] == server.steps and ph["decode"][2] == sum(server.busy)
     cols = serving.phase_columns(ph, wall_s=1.0)
@@ -228,3 +230,70 @@ def test_a_stop_id_ends_the_request_at_its_first_occurrence_and_says_so():
     server.close()
     assert stopped.tokens == want[:want.index(stop) + 1] and stopped.finish == "stop" and stopped.error is None
     assert full.tokens == want and full.finish == "length"
+
+
+def chunk_keys(launches, e, chunk, positions):
+    """The specializations of every prefill chunk a server can run: each length up to chunk at start 0, and at
+    start `chunk` each length that fits `positions`."""
+    launches.clear()
+    with torch.no_grad():
+        for start in (0, chunk):
+            for T in range(1, min(chunk, positions - start) + 1):
+                e(torch.zeros(1, T, dtype=torch.long), input_pos=torch.arange(start, start + T),
+                  logits_at=torch.tensor([T - 1]))
+    return set(launches.keys)
+
+
+@pytest.mark.parametrize("routers", [True, False])
+@pytest.mark.parametrize("chunk, slot_len, policy", [
+    (100, 180, Policy(router_max_tokens=8, sparse_prefill_min_tokens=24)),  # every threshold within the chunk
+    (300, 620, Policy()), (65, 200, Policy())])  # the default's, and a chunk neither a power of two nor of 16
+def test_a_warmed_up_server_compiles_nothing_for_any_chunk(launches, routers, chunk, slot_len, policy):
+    # After warm_up, no chunk a request can bring (every length up to the chunk, at start 0 and after a first
+    # chunk) launches a kernel specialization warm_up did not (conftest.specialization: what a GPU compiles for).
+    # The launches are recorded, not run (keys depend on the arguments alone), so every length is tried. A whole
+    # served workload with Triton's own compile hook: tests/test_gpu.py.
+    cfg = ModelConfig(vocab_size=96, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=128,
+                      max_seq_len=slot_len)
+    e = engine.Engine(wide_model(cfg=cfg, routers=routers), policy)
+    server = serve.Server(e, 2, slot_len, chunk=chunk)
+    launches.dry = True
+    launches.clear()
+    server.warm_up(prefill=True)
+    warm = set(launches.keys)
+    assert launches.count("attn_prefill_kernel") > 0 and len(warm) > 10
+    served = chunk_keys(launches, e, chunk, slot_len - 1)
+    assert launches.count("attn_prefill_kernel") > 0
+    new = sorted(served - warm, key=str)
+    assert not new, f"{len(new)} specializations first met while serving, e.g. {new[:3]}"
+    server.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: only compiled Triton has a kernel cache")
+@pytest.mark.parametrize("routers", [True, False], ids=["wide", "dense"])
+def test_gpu_a_warmed_up_server_compiles_nothing_while_it_serves(routers):
+    # Triton's own hook, called before each kernel binary it does not hold in memory yet (a compile, or a load
+    # from its disk cache): not once while a warmed-up server serves prompts of lengths it has not seen, in
+    # chunks (so remainders and later chunks), greedy and sampled, at every decode batch size.
+    import triton
+    if not hasattr(triton, "knobs"):
+        pytest.skip(f"triton {triton.__version__} has no triton.knobs.runtime.jit_cache_hook")
+    cfg = ModelConfig(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, intermediate_size=1024,
+                      max_seq_len=1200)
+    m = wide_model("cuda", torch.bfloat16, seed=5, routers=routers, std=0.05, cfg=cfg, ffn_group_size=128)
+    server = serve.Server(engine.Engine(m), 6, 1200, chunk=300)
+    server.warm_up()
+    g = random.Random(11)
+    reqs = [serve.Request([g.randrange(512) for _ in range(g.randint(1, 1100))], g.randint(1, 40), arrival=i * 0.01,
+                          temperature=g.choice([0.0, 0.8]), top_k=g.choice([0, 20]), seed=i) for i in range(24)]
+    compiled = []
+    hook = lambda *args, **kwargs: compiled.append(kwargs.get("fn", args[0] if args else None)) and None
+    old = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        server.serve(reqs)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = old
+        server.close()
+    assert all(r.error is None and len(r.tokens) == r.max_new_tokens for r in reqs)
+    assert not compiled, f"{len(compiled)} kernels compiled while serving: {[str(c)[:80] for c in compiled[:3]]}"
