@@ -27,6 +27,7 @@ from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
 from kernels_step import norm_route, rms_norm, rope_and_store
+from model import KVCache
 from policy import GEMV_MAX_TOKENS, Plan, Policy, Shape
 from wide import shared_by_vote
 
@@ -101,6 +102,7 @@ class StepInputs(NamedTuple):
     all_heads: torch.Tensor  # [B, 1] all True: the dense model's decode attention
     visible: torch.Tensor   # [B, 1, 1, L] cache slots each row may see (the "decode_sdpa" attention)
     start: int              # a prefill's first position: 0, or where a chunk of a longer prompt begins
+    start_t: torch.Tensor   # the same on the device ([1]: the first of input_pos), as the prefill kernel reads it
     every_head: object = None  # the layout of every head group live, for the "prefill_every" attention of a
                                # dense layer's later chunk: built once per step (plan op step_every_head)
     plan: Plan = None       # what runs where in this step (policy.py)
@@ -161,7 +163,7 @@ class Engine:
         prefill and of its decode steps, as generate.py --backend triton prints them."""
         return self.step_plan(batch * prompt_len, False).text() + "\n" + self.step_plan(batch, True).text()
 
-    def inputs(self, idx, input_pos):
+    def inputs(self, idx, input_pos, start=None):
         m = self.model
         if m.training or torch.is_grad_enabled():
             raise RuntimeError("the Triton engine is inference only: call it under torch.no_grad() on an "
@@ -175,7 +177,9 @@ class Engine:
         elif T == 1:
             decode, start = True, 0
         elif input_pos.dim() == 1:  # a prefill, or a chunk of one at positions start..start+T-1
-            decode, start = False, int(input_pos[0])  # (one host sync per prefill; decode steps never sync)
+            # start: given by the caller (a CUDA graph: no host read), or one host sync per prefill. The kernels
+            # read it from input_pos; the plan only needs whether it is 0.
+            decode, start = False, int(input_pos[0]) if start is None else start
         else:
             raise ValueError("the Triton engine runs prefills (whole or chunked) at shared positions and "
                              "one-token decode steps; several tokens at per-row positions need the torch backend")
@@ -194,15 +198,18 @@ class Engine:
         every_head = None
         if "step_every_head" in plan.step:
             every_head = layout(torch.ones(B, T, m.config.n_kv_heads, dtype=torch.bool, device=idx.device))
-        return StepInputs(decode, cos, sin, slot, kv_len, all_heads, visible, start, every_head, plan)
+        start_t = input_pos.reshape(-1)[:1] if input_pos is not None else torch.zeros(1, dtype=torch.long,
+                                                                                       device=idx.device)
+        return StepInputs(decode, cos, sin, slot, kv_len, all_heads, visible, start, start_t, every_head, plan)
 
-    def __call__(self, idx, input_pos=None, logits_at=None, masks=None):
-        """idx [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] at logits_at), as Transformer.forward."""
+    def __call__(self, idx, input_pos=None, logits_at=None, masks=None, start=None):
+        """idx [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] at logits_at), as Transformer.forward.
+        start: a prefill chunk's first position (input_pos[0]) when the caller knows it (no host read)."""
         m = self.model
         B, T = idx.shape
         if input_pos is None and T > self.config.max_seq_len:
             raise ValueError(f"{T} tokens do not fit the context of {self.config.max_seq_len}")
-        step = self.inputs(idx, input_pos)
+        step = self.inputs(idx, input_pos, start)
         x = m.embed_tokens(idx)
         for layer, ops in zip(m.layers, step.plan.layers):
             x = self.block(layer, ops, x, step, masks)
@@ -308,10 +315,10 @@ class Engine:
             y = attention_decode(q, kc, vc, step.all_heads, step.kv_len, tickets=self.tickets)
         elif kind == "decode_sdpa":
             y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=step.visible, enable_gqa=Hkv != H)
-        elif kind == "prefill_live":
-            y = attention_prefill(q, kc[:, :, :S + T], vc[:, :, :S + T], lay, start=S)
+        elif kind == "prefill_live":  # (causal: the kernel reads no key past the chunk's last)
+            y = attention_prefill(q, kc, vc, lay, start=step.start_t)
         elif kind == "prefill_every":
-            y = attention_prefill(q, kc[:, :, :S + T], vc[:, :, :S + T], step.every_head, start=S)
+            y = attention_prefill(q, kc, vc, step.every_head, start=step.start_t)
         elif kind == "sdpa_causal":  # the dense baseline at its best (cuDNN / flash through SDPA)
             y = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], is_causal=True, enable_gqa=Hkv != H)
         else:  # "sdpa_rows": rows S.. of the model's causal mask say which cached keys the chunk sees
@@ -462,6 +469,85 @@ class CUDAGraphDecoder:
     def __call__(self, token, pos):
         self.token.copy_(token)
         self.pos.copy_(pos)
+        self.graph.replay()
+        return self.logits
+
+
+PREFILL_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)  # then per 1024
+
+
+def prefill_graphs(model, caches, longest, later):
+    """A CUDAGraphPrefill per chunk length bucket up to `longest` tokens (PREFILL_BUCKETS, then steps of 1024,
+    and `longest`), at start 0 and, if `later`, after it, smallest first; they share one staging row per
+    layer and one memory pool (a server replays one at a time). caches: each layer's cache [slots, ...]."""
+    c = caches[0].k_cache
+    stage = [KVCache(1, c.shape[2], c.shape[1], c.shape[3], c.dtype, c.device) for _ in caches]
+    row, pool = torch.zeros(1, dtype=torch.long, device=c.device), torch.cuda.graph_pool_handle()
+    return [CUDAGraphPrefill(model, n, after, caches, stage, row, pool) for after in (False, True)[:1 + later]
+            for n in prefill_sizes(longest) if int(after) + n <= c.shape[2] - 1]
+
+
+def prefill_sizes(longest):
+    """The chunk lengths with a prefill graph, up to `longest`: a chunk is padded to the next one."""
+    return sorted({b for b in PREFILL_BUCKETS if b < longest} | set(range(3072, longest, 1024)) | {longest})
+
+
+class CUDAGraphPrefill:
+    """One row's prefill chunk of up to `tokens` tokens as a CUDA graph, at start 0 or after it (`later`). An
+    eager chunk costs the host a launch per op (a WIDE chunk about twice dense's), which holds the GPU up to
+    well past a thousand tokens; a replay costs the host one call.
+
+    A shorter chunk is padded to `tokens` after its real tokens: causal attention keeps the real tokens from
+    seeing the padding, whose logits are never read and whose K/V land at the positions after the chunk,
+    which the request writes again before it reads them (a later chunk, a decode step). The chunk's start
+    reaches the kernels as input_pos[0] on the device, so one graph serves every start with room for `tokens`
+    (fits). A graph holds the addresses it was captured with, and a request may sit in any cache row: the
+    graph copies the row (`row`, on the device) of each layer's cache [slots, ...] into `stage` (one row per
+    layer), runs the chunk there, and copies the row back; the copies cost two reads of the row per chunk."""
+
+    def __init__(self, model, tokens, later, caches, stage, row, pool=None):
+        device, layers = model.tickets.device, model.model.layers
+        self.tokens, self.later, self.positions = tokens, later, stage[0].k_cache.shape[2] - 1
+        self.idx = torch.zeros(1, tokens, dtype=torch.long, device=device)
+        self.pos = torch.arange(int(later), int(later) + tokens, device=device)
+        self.last, self.row = torch.zeros(1, dtype=torch.long, device=device), row
+
+        def forward():
+            for c, st in zip(caches, stage):
+                torch.index_select(c.k_cache, 0, row, out=st.k_cache)
+                torch.index_select(c.v_cache, 0, row, out=st.v_cache)
+            logits = model(self.idx, input_pos=self.pos, logits_at=self.last, start=int(later))
+            for c, st in zip(caches, stage):
+                c.k_cache.index_copy_(0, row, st.k_cache)
+                c.v_cache.index_copy_(0, row, st.v_cache)
+            return logits
+        saved = [layer.self_attn.kv_cache for layer in layers]
+        for layer, st in zip(layers, stage):
+            layer.self_attn.kv_cache = st
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.logits = forward()  # [1, 1, vocab]
+        finally:
+            for layer, c in zip(layers, saved):
+                layer.self_attn.kv_cache = c
+
+    def fits(self, n, start):
+        return n <= self.tokens and (start > 0) == self.later and start + self.tokens <= self.positions
+
+    def __call__(self, ids, start, row):
+        """Logits [1, 1, vocab] of the last of `ids` (token ids) placed at positions start.. of cache row `row`."""
+        n = len(ids)
+        self.idx[0, :n].copy_(torch.tensor(ids), non_blocking=True)
+        self.pos.copy_(torch.arange(start, start + self.tokens), non_blocking=True)
+        self.last.fill_(n - 1)
+        self.row.fill_(row)
         self.graph.replay()
         return self.logits
 

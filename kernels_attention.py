@@ -63,8 +63,8 @@ def _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, start, pos, kv_end, qk_scal
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["T", "MT", "S"])  # chunk lengths and starts: see engine.warm_chunks
-def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT, S, LK,
+@triton.jit(do_not_specialize=["T", "MT"])  # chunk lengths: see engine.warm_chunks
+def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT, start, LK,
                          sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, qk_scale,
                          HPG: tl.constexpr, HPK: tl.constexpr, PACK: tl.constexpr,
                          BMT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, BP: tl.constexpr,
@@ -76,10 +76,12 @@ def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT, S, LK,
     and one tile of the group's live tokens of sequence b, in the layout's ascending order.
     The causal key range ends at the tile's last token, so compaction keeps the causal saving.
     Tiles past the live tokens (block skip) load nothing; they write the zeros of the
-    skipped tokens. A chunk of a longer prompt starts at position S: its T queries sit at S..S+T-1
-    and see the LK = S + T keys before them. Twin: attention_prefill_ref.
+    skipped tokens. A chunk of a longer prompt starts at position S (read from `start`, so that one
+    CUDA graph serves every start): its T queries sit at S..S+T-1 and see the S + T keys before them.
+    Without CAUSAL every query sees the LK keys. Twin: attention_prefill_ref.
     """
     tile, h0, b = tl.program_id(0), tl.program_id(1) * PACK, tl.program_id(2)
+    S = tl.load(start).to(tl.int32)
     g, hk = h0 // HPG, h0 // HPK
     bb = tl.arange(0, BP)
     bc = tl.load(bcounts + bb * G + g, mask=bb < B, other=0)
@@ -129,12 +131,16 @@ def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT, S, LK,
 
 
 def attention_prefill(q, k, v, head_mask, causal=True, config=None, start=0):
-    """q[B,H,T,d], k/v[B,Hkv,start+T,d], head_mask [B,T,G] (or its Layout) -> [B,H,T,d].
-    start > 0: a chunk of a longer prompt, its queries at positions start.., the keys before them cached."""
+    """q[B,H,T,d], k/v[B,Hkv,>=start+T,d], head_mask [B,T,G] (or its Layout) -> [B,H,T,d].
+    start > 0: a chunk of a longer prompt, its queries at positions start.., the keys before them cached
+    (causal: the keys past start + T are never read). start: an int, or a one-element integer tensor on
+    q's device (the engine's: no host read, so a CUDA graph replays it at any start)."""
     check_device(q)
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    assert k.shape[2] == start + T or not causal, "causal: k/v hold exactly the start + T keys"
+    if not torch.is_tensor(start):
+        assert k.shape[2] >= start + T or not causal, "causal: k/v hold at least the start + T keys"
+        start = torch.full((1,), start, dtype=torch.int32, device=q.device)
     lay = as_layout(head_mask)
     G = lay.mask.shape[1]
     assert lay.batch == B and H % G == 0 and H % Hkv == 0, "head_mask must be [B, T, G] with G | H"

@@ -103,22 +103,21 @@ class Server:
     max_queue: how many requests may wait for a slot; submit() rejects the ones beyond it."""
 
     def __init__(self, forward, n_slots, slot_len, chunk=None, cuda_graph=None, max_queue=1024):
-        self.forward, self.n_slots, self.slot_len = forward, n_slots, slot_len
+        self.forward, self.n_slots, self.slot_len, self.max_queue = forward, n_slots, slot_len, max_queue
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue {max_queue!r}: give a whole number >= 1 (how many requests may wait "
                              f"for a slot before new ones are rejected)")
-        self.max_queue = max_queue
         self.is_engine = isinstance(forward, engine.Engine)
         self.model = forward.model if self.is_engine else forward
         if slot_len > self.model.config.max_seq_len:
             raise ValueError(f"slot_len {slot_len} exceeds the model's context of {self.model.config.max_seq_len}")
-        self.chunk = chunk
-        self.device = self.model.embed_tokens.weight.device
+        self.chunk, self.device = chunk, self.model.embed_tokens.weight.device
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         forward.setup_caches(n_slots, slot_len)
         self.caches = [layer.self_attn.kv_cache for layer in self.model.layers]
         self.buckets = sorted({b for b in BUCKETS if b < n_slots} | {n_slots})
         self.graphs = {}                 # bucket -> CUDAGraphDecoder
+        self.prefills = []               # engine.CUDAGraphPrefill, smallest first (warm_up, on a GPU)
         self.slots = [None] * n_slots    # the request in each slot, or None
         self.queue = []                  # waiting for a slot, at most max_queue
         self.done = []                   # every request that ended: done, rejected, cancelled or stopped
@@ -126,7 +125,7 @@ class Server:
         self.marks = []                  # [phase, start, end (CUDA events or clock), tokens or rows]: bench.serving
 
     def close(self):
-        self.graphs.clear()
+        self.graphs, self.prefills = {}, []
         self.caches = []  # the cache's memory goes back before the next Server allocates its own
         self.forward.clear_caches()
 
@@ -182,9 +181,8 @@ class Server:
         self.done.append(req)
 
     def scrub(self, slot):
-        # Zero the slot's row in every layer, all positions (the scratch one too). Attention masks stale
-        # positions, but a masked NaN still makes NaN (0 * NaN), so a row that may hold one must not be
-        # handed on as it is. Only early ends pay for it (2 fills per layer), never a normal finish.
+        # Zero the slot's row in every layer, all positions (the scratch one too). Attention masks stale positions,
+        # but a masked NaN still makes NaN (0 * NaN): a row that may hold one is not handed on as it is.
         for cache in self.caches:
             cache.k_cache[slot].zero_()
             cache.v_cache[slot].zero_()
@@ -210,27 +208,30 @@ class Server:
     @contextlib.contextmanager
     def timed(self, phase):
         # CUDA events around a phase, read after the run (no extra host sync); on the CPU, wall time.
-        if not self.device.type == "cuda":
-            t = time.perf_counter()
-            mark = [phase, t, None, 0]
-            yield mark
-            mark[2] = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            mark = [phase, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 0]
+            mark[1].record(torch.cuda.current_stream(self.device))
         else:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            stream = torch.cuda.current_stream(self.device)
-            a.record(stream)
-            mark = [phase, a, b, 0]
-            yield mark
-            b.record(stream)
+            mark = [phase, time.perf_counter(), None, 0]
+        yield mark
+        if cuda:
+            mark[2].record(torch.cuda.current_stream(self.device))
+        else:
+            mark[2] = time.perf_counter()
         self.marks.append(mark)
 
     def prefill(self, req, now):
         P, start = len(req.prompt), req.prefilled
         end = P if not self.chunk else min(P, start + self.chunk)
-        self.use_rows(slice(req.slot, req.slot + 1))
-        idx = torch.tensor([req.prompt[start:end]], device=self.device)                   # [1, T]
-        pos = torch.arange(start, end, device=self.device)                                # [T]
-        logits = self.forward(idx, input_pos=pos, logits_at=torch.tensor([end - start - 1], device=self.device))
+        graph = next((g for g in self.prefills if g.fits(end - start, start)), None)
+        if graph is not None:  # one replay, padded to its length
+            logits = graph(req.prompt[start:end], start, req.slot)
+        else:
+            self.use_rows(slice(req.slot, req.slot + 1))
+            logits = self.forward(torch.tensor([req.prompt[start:end]], device=self.device),  # [1, T] at start..
+                                  input_pos=torch.arange(start, end, device=self.device),
+                                  logits_at=torch.tensor([end - start - 1], device=self.device))
         req.prefilled = end
         # Only the last piece is read back: a NaN in an earlier chunk's K/V shows there, as every later
         # position attends to it.
@@ -300,18 +301,19 @@ class Server:
     @torch.no_grad()  # the Triton engine refuses grad-enabled calls, and graphs capture no autograd
     def warm_up(self, prefill=None):
         """Before the first request, so that none pays a compile in its latency: a prefill chunk of every shape a
-        request can reach (Engine.warm_prefill; default: on a GPU, as the interpreter compiles nothing), every
-        decode bucket's CUDA graph (all slots free: dummy rows at position 0), and the sampler once."""
+        request can reach (Engine.warm_prefill; default: on a GPU, as the interpreter compiles nothing), the
+        prefill chunks' CUDA graphs, and every decode bucket's (all slots free: dummy rows at position 0)."""
         if self.is_engine and (self.cuda_graph if prefill is None else prefill):
             self.use_rows(slice(0, 1))
             self.forward.warm_prefill(self.chunk or self.slot_len - 1, self.slot_len - 1)
+            longest = self.chunk or self.slot_len - 1  # (a later chunk: a prompt longer than one)
+            self.prefills = engine.prefill_graphs(self.forward, self.caches, longest, longest < self.slot_len - 2) \
+                if self.cuda_graph else []
             self.scrub(0)
         for n in self.buckets if self.cuda_graph else []:
             self.use_rows(slice(0, n))
             z = torch.zeros(n, 1, dtype=torch.long, device=self.device)
             self.graphs[n] = engine.CUDAGraphDecoder(self.forward, z, z.view(-1).clone())
-        one = torch.ones(1, device=self.device)
-        sample_rows(torch.zeros(1, 8, device=self.device), one, one.long(), one, torch.rand(1, 8, device=self.device))
 
     def serve(self, requests, now=None):
         """Serve requests (arrival: seconds after the start) until each has ended (done, rejected, stopped).

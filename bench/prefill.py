@@ -4,15 +4,17 @@ results/prefill_chunks_h200.{json,md,png}.
 
 A serving loop prefills a long prompt in chunks (serve.py --chunk, 2048 by default), so besides the whole
 chunks it runs a remainder of any length, and every chunk after the first starts at a position > 0 where the
-chunk attends to the cache before it. For each chunk length T and start S, one forward of T tokens at
-positions S..S+T-1 of a one-row cache (filled with random K/V up to S), logits of the last token only, as
-Server.prefill runs it: eagerly (no CUDA graph: prefill shapes vary), launches included, timed with CUDA
-events (median of 5 after 2 warm-ups). The profiles: dense (the routers removed, the engine's dense path at
-its best) and WIDE with the serving benchmark's two calibrations (bench/serving.py).
+chunk attends to the cache before it. For each chunk length T and start S: one chunk of T tokens at positions
+S..S+T-1 of a one-row cache (filled with random K/V up to S), logits of its last token only, timed with CUDA
+events (median of 5 after 2 warm-ups) two ways: as Server.prefill runs it on a GPU, a CUDA graph replay
+(engine.CUDAGraphPrefill at the bucket the chunk is padded to, its staging copies included), and eagerly, one
+launch per op from the host. The profiles: dense (the routers removed, the engine's dense path at its best)
+and WIDE with the serving benchmark's two calibrations (bench/serving.py).
 
-Each row also has the op breakdown of one forward (torch.profiler, kernels assigned to the plan's ops as in
+Each row also has the op breakdown of one replay (torch.profiler, kernels assigned to the plan's ops as in
 bench/step_profile.py), so a length where WIDE loses says which op loses.
 """
+import argparse
 import sys
 
 import torch
@@ -21,6 +23,8 @@ import cli
 from bench import common
 from bench.common import SMOKE, ModelSetup, clock_ms, fill_cache, meta, random_model, save, set_profile, with_engine
 from bench.step_profile import assign_ops, kernel_events
+from engine import CUDAGraphPrefill, prefill_sizes
+from model import KVCache
 from policy import Policy
 from wide import routers_on
 
@@ -39,25 +43,40 @@ def smoke_run():
 
 @torch.no_grad()
 def time_chunk(run, e, T, start, reps=5):
-    """(ms, {op: us}) of one chunk of T tokens at positions start..start+T-1 into a one-row cache."""
+    """(eager ms, graph ms, {op: us}) of one chunk of T tokens at positions start..start+T-1 of a one-row cache:
+    eagerly, and as Server.prefill replays it (engine.CUDAGraphPrefill at the bucket a chunk of T is padded to,
+    its staging copies included; the op breakdown is of that replay)."""
     idx = torch.randint(0, e.config.vocab_size, (1, T), device=run.device)
     pos = torch.arange(start, start + T, device=run.device)
     last = torch.tensor([T - 1], device=run.device)
     step = lambda n: [e(idx, input_pos=pos, logits_at=last) for _ in range(n)]
     step(1 if run.smoke else 2)
-    times = sorted(clock_ms(run.smoke, step, 1) for _ in range(1 if run.smoke else reps))
-    ops = {}
-    if not run.smoke:  # the profiler's GPU kernels: nothing to break down on the CPU
+    def median(fn):
+        times = sorted(clock_ms(run.smoke, fn, 1) for _ in range(1 if run.smoke else reps))
+        return times[len(times) // 2]
+    eager = median(step)
+    if run.smoke:  # CUDA graphs and the profiler's GPU kernels: nothing more on the CPU
+        return eager, None, {}
+    caches = [layer.self_attn.kv_cache for layer in e.model.layers]
+    c = caches[0].k_cache
+    stage = [KVCache(1, c.shape[2], c.shape[1], c.shape[3], c.dtype, c.device) for _ in caches]
+    bucket = next(n for n in prefill_sizes(max(LENGTHS)) if n >= T)
+    g = CUDAGraphPrefill(e, bucket, start > 0, caches, stage, torch.zeros(1, dtype=torch.long, device=c.device))
+    ids = idx[0].tolist()
+    replay = lambda n: [g(ids, start, 0) for _ in range(n)]
+    graph = median(replay)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        replay(1)
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step(1)
-            torch.cuda.synchronize()
-        for label, _, us, _ in assign_ops(kernel_events(prof), e.step_plan(T, False, start)):
-            ops[label] = round(ops.get(label, 0.0) + us, 1)
-    return times[len(times) // 2], ops
+    ops = {}
+    for label, _, us, _ in assign_ops(kernel_events(prof), e.step_plan(bucket, False, start)):
+        ops[label] = round(ops.get(label, 0.0) + us, 1)
+    del g, stage
+    return eager, graph, ops
 
 
-def profile_rows(run, m, routers, name, sparsity, lengths, starts, log):
+def profile_rows(run, m, routers, name, sparsity, lengths, starts, log, policy):
     if sparsity:
         set_profile(m, routers, *sparsity, run.calibrate_tokens)
 
@@ -67,43 +86,53 @@ def profile_rows(run, m, routers, name, sparsity, lengths, starts, log):
         fill_cache(m, max(starts))
         for start in starts:
             for T in lengths:
-                ms, ops = time_chunk(run, e, T, start)
-                rows.append(dict(profile=name, start=start, tokens=T, ms=round(ms, 3), ops=ops,
-                                 ms_per_1k=round(ms / T * 1e3, 2)))
-                log(f"{name}, start {start}, {T} tokens: {ms:.2f} ms")
+                eager, graph, ops = time_chunk(run, e, T, start)
+                ms = graph or eager  # what the server runs: the graph on a GPU
+                rows.append(dict(profile=name, start=start, tokens=T, ms=round(ms, 3), eager_ms=round(eager, 3),
+                                 ops=ops, ms_per_1k=round(ms / T * 1e3, 2)))
+                log(f"{name}, start {start}, {T} tokens: {ms:.2f} ms (eager {eager:.2f} ms)")
         e.clear_caches()
         return rows
-    return with_engine(m, sparsity is not None, Policy(), measure)
+    return with_engine(m, sparsity is not None, policy, measure)
 
 
-def markdown(rec):
+def chunk_table(rec, key):
     rows = rec["rows"]
     names = list(dict.fromkeys(r["profile"] for r in rows))
     by = {(r["profile"], r["start"], r["tokens"]): r for r in rows}
-    out = [f"# Prefill chunks, WIDE against dense ({rec['gpu']})", "",
-           f"torch {rec['torch']}, triton {rec['triton']}, {rec['date']}, `{rec['command']}`. {rec['model']}. "
-           f"{rec['timing']}", "",
-           "ms of one chunk (vs dense: dense ms / WIDE ms, > 1 = WIDE faster):", "",
-           "| start | tokens | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    out = ["| start | tokens | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for start in rec["starts"]:
         for T in rec["lengths"]:
             d = by.get(("dense", start, T))
             cells = []
             for n in names:
                 r = by.get((n, start, T))
-                cells.append("-" if r is None else f"{r['ms']:.2f}" if n == "dense" or d is None
-                             else f"{r['ms']:.2f} ({d['ms'] / r['ms']:.2f}x)")
+                cells.append("-" if r is None else f"{r[key]:.2f}" if n == "dense" or d is None
+                             else f"{r[key]:.2f} ({d[key] / r[key]:.2f}x)")
             out.append(f"| {start} | {T} | " + " | ".join(cells) + " |")
+    return out
+
+
+def markdown(rec):
+    rows = rec["rows"]
+    by = {(r["profile"], r["start"], r["tokens"]): r for r in rows}
+    out = [f"# Prefill chunks, WIDE against dense ({rec['gpu']})", "",
+           f"torch {rec['torch']}, triton {rec['triton']}, {rec['date']}, `{rec['command']}`. {rec['model']}. "
+           f"{rec['timing']}", "",
+           "ms of one chunk as the server runs it: a CUDA graph replay at the chunk's bucket (vs dense: dense ms / "
+           "WIDE ms, > 1 = WIDE faster):", ""] + chunk_table(rec, "ms")
     worst = [(d["ms"] / r["ms"], r) for r in rows if r["profile"] != "dense"
              for d in [by.get(("dense", r["start"], r["tokens"]))] if d]
     if worst:
         ratio, r = min(worst, key=lambda x: x[0])
         out += ["", f"Slowest WIDE chunk against dense: {r['profile']}, {r['tokens']} tokens at start {r['start']}: "
                 f"{ratio:.2f}x."]
+    out += ["", "The same chunks run eagerly (one launch per op from the host):", ""] + chunk_table(rec, "eager_ms")
     seen = {k for r in rows for k in r["ops"]}
     ops = [k for k in ORDER if k in seen] + sorted(seen - set(ORDER))
     if ops:
-        out += ["", "Kernel time per op in one chunk (us, summed over the layers; torch.profiler):", "",
+        out += ["", "Kernel time per op in one replay (us, summed over the layers; torch.profiler; the staging copies "
+                "fall to the first and last ops):", "",
                 "| profile | start | tokens | " + " | ".join(ops) + " |", "|---|---|---|" + "---|" * len(ops)]
         for r in rows:
             out.append(f"| {r['profile']} | {r['start']} | {r['tokens']} | "
@@ -143,6 +172,16 @@ def counts(lo):
     return parse
 
 
+def policy_of(text):
+    """--policy NAME=VALUE,...: Policy fields other than their defaults."""
+    try:
+        fields = dict(kv.split("=") for kv in text.split(","))
+        return Policy(**{k: type(getattr(Policy(), k))(v) for k, v in fields.items()})
+    except (ValueError, TypeError, AttributeError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: give Policy fields as NAME=VALUE,..., e.g. "
+                                         f"router_max_tokens=4096 ({e})")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = common.parser(__doc__, "-m bench.prefill", "prefill_chunks_h200")
@@ -150,6 +189,11 @@ def main(argv=None):
                    help=f"chunk lengths, comma-separated (default {','.join(map(str, LENGTHS))})")
     p.add_argument("--starts", type=counts(0), default=None,
                    help=f"chunk starts, comma-separated (default {','.join(map(str, STARTS))})")
+    p.add_argument("--policy", type=policy_of, default=Policy(), help="the engine's thresholds, as Policy fields "
+                   "NAME=VALUE,... (default: Policy())")
+    p.add_argument("--profiles", type=lambda t: [x for x in PROFILES if x[0] in t.split(",")] or
+                   p.error(f"--profiles {t!r}: give names of {[x[0] for x in PROFILES]}"), default=None,
+                   help="comma-separated: dense,WIDE 50/50,WIDE 75/25 (default all)")
     args = p.parse_args(argv)
     common.prepare(args, "-m bench.prefill", argv, "prefill_chunks_h200")
     run, lengths, starts = smoke_run() if args.smoke else (ModelSetup(), LENGTHS, STARTS)
@@ -159,12 +203,14 @@ def main(argv=None):
     routers = [(l.attn_router, l.ffn_router, l.layer_router) for l in m.layers]
     log = lambda text: print(text, flush=True)
     rec = meta(args.smoke, "-m bench.prefill", argv, rows=[], lengths=list(lengths), starts=list(starts),
-               policy=repr(Policy()),
+               policy=repr(args.policy),
                model=f"{'tiny (--smoke)' if args.smoke else run.preset} shape, random weights; routers calibrated "
                      f"per profile on a random {run.calibrate_tokens}-token prompt (bench/common.py set_profile)",
-               timing="one forward of the chunk into a one-row cache, eager, CUDA events, median of 5")
-    for name, sparsity in PROFILES if not args.smoke else PROFILES[:2]:
-        rec["rows"] += profile_rows(run, m, routers, name, sparsity, lengths, starts, log)
+               timing="one chunk into a one-row cache (its K/V up to the start random), logits of its last token; "
+                      "CUDA events, median of 5 after 2 warm-ups; as a CUDA graph (engine.CUDAGraphPrefill, padded to "
+                      "the bucket the server pads it to) and eagerly")
+    for name, sparsity in args.profiles or (PROFILES if not args.smoke else PROFILES[:2]):
+        rec["rows"] += profile_rows(run, m, routers, name, sparsity, lengths, starts, log, args.policy)
         routers_on(m, routers)
         save(args.out, rec, markdown(rec))
     plot(rec, args.out + ".png")

@@ -1,9 +1,12 @@
 """bench/step_profile.py: a decode step's kernels assigned to the ops of the engine's plan, and the bytes each
 op must read. The profile itself needs a GPU (`python -m bench.e2e --only profile`); what it does with the
-kernels it sees is checked here on synthetic kernel lists."""
+kernels it sees is checked here on synthetic kernel lists; bench/prefill.py's smoke run too."""
+import os
+
 import pytest
 import torch
 
+import kernels_base
 from bench import step_profile as bp
 import policy
 from model import ModelConfig, Transformer
@@ -93,3 +96,20 @@ def test_a_gemm_that_comes_as_two_kernels_stays_with_its_op_and_nothing_shifts()
     want = ["embedding"] + ["attn_norm", "qkv", "qkv", "rope", "attention", "o", "ffn_norm", "gate_up", "gate_up",
                             "down", "down"] * 2 + ["step_norm", "step_head"]
     assert [g[0] for g in got] == want
+
+
+@pytest.mark.skipif(not kernels_base.INTERPRET, reason="--smoke runs the kernels in the Triton interpreter (the CPU "
+                    "test setup); on a GPU `python -m bench.prefill` is the real run")
+def test_prefill_chunk_bench_smoke_writes_every_length_and_start(tmp_path):
+    from bench import prefill
+    rec = prefill.main(["--smoke", "--lengths", "1,9", "--starts", "0,20", "--out", str(tmp_path / "p")])
+    got = {(r["profile"], r["start"], r["tokens"]) for r in rec["rows"]}
+    assert got == {(p, s, t) for p in ("dense", "WIDE 50/50") for s in (0, 20) for t in (1, 9)}
+    md = open(tmp_path / "p.md").read()
+    assert "| 20 | 9 |" in md and "Slowest WIDE chunk" in md and os.path.isfile(tmp_path / "p.png")
+
+
+def test_prefill_chunk_bench_refuses_a_bad_policy_in_one_line(capsys):
+    from bench import prefill
+    from conftest import assert_one_line_error, stopped
+    assert_one_line_error(stopped(capsys, prefill.main, "--smoke", "--policy", "no_such=1"), "NAME=VALUE")
