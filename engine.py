@@ -476,10 +476,13 @@ class CUDAGraphDecoder:
 PREFILL_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)  # then per 1024
 
 
-def prefill_graphs(model, caches, longest, later):
-    """A CUDAGraphPrefill per chunk length bucket up to `longest` tokens (PREFILL_BUCKETS, then steps of 1024,
-    and `longest`), at start 0 and, if `later`, after it, smallest first; they share one staging row per
-    layer and one memory pool (a server replays one at a time). caches: each layer's cache [slots, ...]."""
+def prefill_graphs(model, caches, chunk, later):
+    """A CUDAGraphPrefill per chunk length bucket up to `chunk` tokens (PREFILL_BUCKETS, then steps of 1024, and
+    `chunk`; a dense model's up to the policy's dense_prefill_graph_max_tokens), at start 0 and, if `later`,
+    after it, smallest first; they share one staging row per layer and one memory pool (a server replays one
+    at a time). model: an Engine; caches: each layer's cache [slots, ...]."""
+    routed = any(r is not None for layer in model.model.layers for r in (layer.attn_router, layer.ffn_router))
+    longest = chunk if routed else min(chunk, model.policy.dense_prefill_graph_max_tokens)
     c = caches[0].k_cache
     stage = [KVCache(1, c.shape[2], c.shape[1], c.shape[3], c.dtype, c.device) for _ in caches]
     row, pool = torch.zeros(1, dtype=torch.long, device=c.device), torch.cuda.graph_pool_handle()
@@ -502,8 +505,8 @@ class CUDAGraphPrefill:
     which the request writes again before it reads them (a later chunk, a decode step). The chunk's start
     reaches the kernels as input_pos[0] on the device, so one graph serves every start with room for `tokens`
     (fits). A graph holds the addresses it was captured with, and a request may sit in any cache row: the
-    graph copies the row (`row`, on the device) of each layer's cache [slots, ...] into `stage` (one row per
-    layer), runs the chunk there, and copies the row back; the copies cost two reads of the row per chunk."""
+    graph runs the chunk on `stage` (one row per layer) and copies between it and the request's row (`row`,
+    on the device) of each layer's cache [slots, ...]: the chunk's positions at start 0, the whole row after."""
 
     def __init__(self, model, tokens, later, caches, stage, row, pool=None):
         device, layers = model.tickets.device, model.model.layers
@@ -513,13 +516,16 @@ class CUDAGraphPrefill:
         self.last, self.row = torch.zeros(1, dtype=torch.long, device=device), row
 
         def forward():
-            for c, st in zip(caches, stage):
+            # A chunk at start 0 reads and writes only its own positions; a later one reads the row's prefix and
+            # writes after it, both where its start says: it copies the whole row in and out.
+            end = None if later else tokens
+            for c, st in zip(caches, stage) if later else ():
                 torch.index_select(c.k_cache, 0, row, out=st.k_cache)
                 torch.index_select(c.v_cache, 0, row, out=st.v_cache)
             logits = model(self.idx, input_pos=self.pos, logits_at=self.last, start=int(later))
             for c, st in zip(caches, stage):
-                c.k_cache.index_copy_(0, row, st.k_cache)
-                c.v_cache.index_copy_(0, row, st.v_cache)
+                c.k_cache[:, :, :end].index_copy_(0, row, st.k_cache[:, :, :end])
+                c.v_cache[:, :, :end].index_copy_(0, row, st.v_cache[:, :, :end])
             return logits
         saved = [layer.self_attn.kv_cache for layer in layers]
         for layer, st in zip(layers, stage):

@@ -306,8 +306,8 @@ class Server:
         if self.is_engine and (self.cuda_graph if prefill is None else prefill):
             self.use_rows(slice(0, 1))
             self.forward.warm_prefill(self.chunk or self.slot_len - 1, self.slot_len - 1)
-            longest = self.chunk or self.slot_len - 1  # (a later chunk: a prompt longer than one)
-            self.prefills = engine.prefill_graphs(self.forward, self.caches, longest, longest < self.slot_len - 2) \
+            chunk = self.chunk or self.slot_len - 1  # (a later chunk: a prompt longer than one)
+            self.prefills = engine.prefill_graphs(self.forward, self.caches, chunk, chunk < self.slot_len - 2) \
                 if self.cuda_graph else []
             self.scrub(0)
         for n in self.buckets if self.cuda_graph else []:

@@ -87,9 +87,11 @@ def profile_rows(run, m, routers, name, sparsity, lengths, starts, log, policy):
         for start in starts:
             for T in lengths:
                 eager, graph, ops = time_chunk(run, e, T, start)
-                ms = graph or eager  # what the server runs: the graph on a GPU
+                graphed = sparsity is not None or T <= policy.dense_prefill_graph_max_tokens  # as the server
+                ms = graph if graph and graphed else eager  # what the server runs
                 rows.append(dict(profile=name, start=start, tokens=T, ms=round(ms, 3), eager_ms=round(eager, 3),
-                                 ops=ops, ms_per_1k=round(ms / T * 1e3, 2)))
+                                 graph_ms=graph and round(graph, 3), graphed=graphed, ops=ops,
+                                 ms_per_1k=round(ms / T * 1e3, 2)))
                 log(f"{name}, start {start}, {T} tokens: {ms:.2f} ms (eager {eager:.2f} ms)")
         e.clear_caches()
         return rows
@@ -119,15 +121,17 @@ def markdown(rec):
     out = [f"# Prefill chunks, WIDE against dense ({rec['gpu']})", "",
            f"torch {rec['torch']}, triton {rec['triton']}, {rec['date']}, `{rec['command']}`. {rec['model']}. "
            f"{rec['timing']}", "",
-           "ms of one chunk as the server runs it: a CUDA graph replay at the chunk's bucket (vs dense: dense ms / "
-           "WIDE ms, > 1 = WIDE faster):", ""] + chunk_table(rec, "ms")
+           "ms of one chunk as the server runs it (vs dense: dense ms / WIDE ms, > 1 = WIDE faster): a CUDA graph "
+           "replay at the chunk's bucket, except a dense chunk longer than the policy's "
+           "dense_prefill_graph_max_tokens, which runs eagerly (policy.py):", ""] + chunk_table(rec, "ms")
     worst = [(d["ms"] / r["ms"], r) for r in rows if r["profile"] != "dense"
              for d in [by.get(("dense", r["start"], r["tokens"]))] if d]
     if worst:
         ratio, r = min(worst, key=lambda x: x[0])
         out += ["", f"Slowest WIDE chunk against dense: {r['profile']}, {r['tokens']} tokens at start {r['start']}: "
                 f"{ratio:.2f}x."]
-    out += ["", "The same chunks run eagerly (one launch per op from the host):", ""] + chunk_table(rec, "eager_ms")
+    out += ["", "Every chunk as a CUDA graph replay:", ""] + chunk_table(rec, "graph_ms") if rows[0]["graph_ms"] else []
+    out += ["", "Every chunk run eagerly (one launch per op from the host):", ""] + chunk_table(rec, "eager_ms")
     seen = {k for r in rows for k in r["ops"]}
     ops = [k for k in ORDER if k in seen] + sorted(seen - set(ORDER))
     if ops:

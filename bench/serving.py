@@ -55,7 +55,6 @@ class Workload:
     output: tuple = (128, 512)       # new tokens: uniform in this range
     n_slots: int = 64                # concurrency at most; a slot holds prompt[1] + output[1] + 1 positions
     profiles: tuple = (DENSE, ("WIDE 50/50", 0.5, 0.5), ("WIDE 75/25", 0.75, 0.25))
-    warmup_requests: int = 4
     smoke: bool = False
     seed: int = 0
 
@@ -76,7 +75,7 @@ WORKLOADS = {
 
 def smoke_workload(name="mixed"):
     return Workload(name=name, rates=(math.inf, 40.0), requests=3, prompt=(4, 16), output=(2, 4), n_slots=2,
-                    warmup_requests=1, smoke=True, profiles=(DENSE, ("WIDE 50/50", 0.5, 0.5)))
+                    smoke=True, profiles=(DENSE, ("WIDE 50/50", 0.5, 0.5)))
 
 
 def smoke_model_run():
@@ -108,10 +107,14 @@ def pct(values, q):
 def summarize(reqs, server, wall_s):
     ok = [r for r in reqs if r.error is None]
     ttft = [r.t_first - r.arrival for r in ok]
+    first = sorted(ok, key=lambda r: r.arrival)[:16]  # the first 16 to arrive: do they pay a one-time cost?
+    first_ttft = [r.t_first - r.arrival for r in first]
+    rest_ttft = [r.t_first - r.arrival for r in ok if r not in first]
     tpot = [(r.t_done - r.t_first) / (len(r.tokens) - 1) for r in ok if len(r.tokens) > 1]
     n_out = sum(len(r.tokens) for r in ok)
     return dict(requests=len(reqs), rejected=len(reqs) - len(ok), output_tokens=n_out, wall_s=round(wall_s, 3),
                 output_tok_s=n_out / wall_s, ttft_p50_ms=pct(ttft, 50) * 1e3, ttft_p99_ms=pct(ttft, 99) * 1e3,
+                ttft_first16_p50_ms=pct(first_ttft, 50) * 1e3, ttft_rest_p50_ms=pct(rest_ttft, 50) * 1e3,
                 tpot_p50_ms=pct(tpot, 50) * 1e3, tpot_p99_ms=pct(tpot, 99) * 1e3,
                 concurrency_max=max(server.busy, default=0),
                 concurrency_mean=sum(server.busy) / max(1, len(server.busy)), decode_steps=server.steps,
@@ -194,24 +197,36 @@ def serving_markdown(rec):
            f"`{rec['command']}`, {rec.get('wall_s', '?')} s.", "",
            f"Model: {rec['model']}. Workload: {rec['workload']}. Engine: {rec['engine']}", "",
            f"ppl / dense: {source}.", "",
-           "| rate (req/s) | profile | output tok/s | vs dense | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | "
-           "concurrency max / mean | skipped attn / FFN | prefill ms per 1k tokens | decode ms per step | "
-           "in-phase share of wall | ppl / dense |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| rate (req/s) | run | profile | output tok/s | vs dense | TTFT p50 / p99 (ms) | TTFT p50 first 16 / rest "
+           "(ms) | TPOT p50 / p99 (ms) | concurrency max / mean | skipped attn / FFN | prefill ms per 1k tokens | "
+           "decode ms per step | in-phase share of wall | ppl / dense |", "|---" * 14 + "|"]
     front = lambda name: name.endswith(HTTP)  # a row served through the HTTP front: compared with dense's
-    dense = {(r["rate"], front(r["profile"])): r for r in rec["rows"] if r["profile"] in ("dense", "dense" + HTTP)}
-    for r in sorted(rec["rows"], key=lambda r: r["rate"]):  # stable: the profiles in run order at each rate
-        d, sk = dense.get((r["rate"], front(r["profile"]))), r.get("skip") or {}
+    key = lambda r: (r["rate"], front(r["profile"]), r.get("run", 1))  # a row is compared with its own run's dense
+    dense = {key(r): r for r in rec["rows"] if r["profile"] in ("dense", "dense" + HTTP)}
+    for r in sorted(rec["rows"], key=lambda r: (r["rate"], r.get("run", 1))):  # stable: run order within a run
+        d, sk = dense.get(key(r)), r.get("skip") or {}
         ratio = f"{r['output_tok_s'] / d['output_tok_s']:.2f}x" if d else "-"
         phases = (f"{r['prefill_ms_per_1k_tokens']:.1f} | {r['decode_ms_per_step']:.2f} | {r['in_phase_share']:.0%}"
                   if "decode_ms_per_step" in r else "- | - | -")
-        out.append(f"| {rate_label(r['rate'])} | {r['profile']} | {r['output_tok_s']:.1f} | {ratio} | "
-                   f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+        first = (f"{r['ttft_first16_p50_ms']:.0f} / {r['ttft_rest_p50_ms']:.0f}" if "ttft_first16_p50_ms" in r
+                 and math.isfinite(r["ttft_rest_p50_ms"]) else "-")
+        out.append(f"| {rate_label(r['rate'])} | {r.get('run', 1)} | {r['profile']} | {r['output_tok_s']:.1f} | "
+                   f"{ratio} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {first} | "
                    f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
                    f"{r['concurrency_max']} / {r['concurrency_mean']:.1f} | "
                    + (f"{sk['attn']:.0%} / {sk['ffn']:.0%}" if sk else "-") + f" | {phases} | "
                    + ppl_cell(quality, *targets.get(r["profile"].removesuffix(HTTP), (None, None))) + " |")
-    own = {(r["profile"], r["rate"]): r for r in rec["rows"]}
-    fronts = [(r, own.get((r["profile"].removesuffix(HTTP), r["rate"]))) for r in rec["rows"] if front(r["profile"])]
+    spread = {}  # (profile, rate) -> [vs dense per run]
+    for r in rec["rows"]:
+        d = dense.get(key(r))
+        if d and not r["profile"].startswith("dense"):
+            spread.setdefault((r["profile"], r["rate"]), []).append(r["output_tok_s"] / d["output_tok_s"])
+    runs = [(k, v) for k, v in spread.items() if len(v) > 1]
+    out += [""] + [f"{p} at {rate_label(rate)}, vs dense over {len(v)} runs: {min(v):.2f}x - {max(v):.2f}x (each run "
+                   f"against its own dense)." for (p, rate), v in runs] if runs else []
+    own = {(r["profile"], r["rate"], r.get("run", 1)): r for r in rec["rows"]}
+    fronts = [(r, own.get((r["profile"].removesuffix(HTTP), r["rate"], r.get("run", 1)))) for r in rec["rows"]
+              if front(r["profile"])]
     out += [""] + [f"Through the HTTP front (streaming clients), {r['profile'].removesuffix(HTTP)} at "
                    f"{rate_label(r['rate'])}: {r['output_tok_s'] / mine['output_tok_s']:.2f}x the in-process "
                    f"loop's output tok/s." for r, mine in fronts if mine] if fronts else []
@@ -233,14 +248,19 @@ def serving_figure(rec):
     panels = (("output_tok_s", "output tokens/s", "(a) throughput"),
               ("tpot_p99_ms", "p99 time per output token (ms)", "(b) p99 TPOT"))
     for ax, (key, ylabel, title) in zip(axes, panels):
-        for i, name in enumerate(dict.fromkeys(r["profile"] for r in rows)):
-            mine = sorted((r for r in rows if r["profile"] == name), key=lambda r: r["rate"])
+        names = list(dict.fromkeys(r["profile"] for r in rows))
+        runs = sorted({r.get("run", 1) for r in rows})
+        for (name, k) in [(n, k) for n in names for k in runs]:  # a colour per profile, a line per run
+            mine = sorted((r for r in rows if r["profile"] == name and r.get("run", 1) == k), key=lambda r: r["rate"])
             line = [r for r in mine if math.isfinite(r["rate"])]
             sat = [r for r in mine if math.isinf(r["rate"])]
+            label, i = name + (f", run {k}" if len(runs) > 1 else ""), names.index(name)
             if line:
-                ax.plot([r["rate"] for r in line], [r[key] for r in line], "o-", color=f"C{i}", label=name)
+                ax.plot([r["rate"] for r in line], [r[key] for r in line], "o-" if k == 1 else "o--", color=f"C{i}",
+                        label=label)
             if sat:  # its own marker, never joined to the line
-                ax.plot([x_sat], [sat[0][key]], "D", linestyle="none", color=f"C{i}", label=None if line else name)
+                ax.plot([x_sat], [sat[0][key]], "D" if k == 1 else "s", linestyle="none", color=f"C{i}",
+                        label=None if line else label)
         ticks = finite + ([x_sat] if saturated else [])
         ax.set_xticks(ticks, [f"{r:g}" for r in finite] + (["all at once"] if saturated else []))
         ax.set_xlim(0, 1.1 * ticks[-1] if finite else 2.0)
@@ -295,10 +315,13 @@ def serving_meta(w, run, args, argv, m, slot_len):
 
 
 def serve_rates(server, w, name, skip, out_of_time, log):
-    """One profile at every rate on one server (its CUDA graphs captured first): yields each rate's row."""
+    """One profile at every rate on one fresh server, after its warm_up (every kernel compiled, every CUDA graph
+    captured) and nothing else: the first timed request is the server's first. Yields each rate's row."""
     vocab = server.model.config.vocab_size
+    t = time.perf_counter()
     server.warm_up()
-    server.serve(draw_requests(w, math.inf, w.seed + 999, vocab)[:w.warmup_requests])
+    warm_s = round(time.perf_counter() - t, 1)
+    log(f"{name}: warm-up {warm_s} s")
     for rate in w.rates:
         if out_of_time(f"{name} rate {rate:g}"):
             continue
@@ -306,7 +329,8 @@ def serve_rates(server, w, name, skip, out_of_time, log):
         reqs = draw_requests(w, rate, w.seed, vocab)
         t = time.perf_counter()
         server.serve(reqs)
-        row = dict(rate=rate, profile=name, skip=skip, **summarize(reqs, server, time.perf_counter() - t))
+        row = dict(rate=rate, profile=name, skip=skip, warm_up_s=warm_s,
+                   **summarize(reqs, server, time.perf_counter() - t))
         log(f"{name} rate {rate:g}: {row['output_tok_s']:.1f} tok/s, TTFT p99 {row['ttft_p99_ms']:.0f} ms, "
             f"TPOT p99 {row['tpot_p99_ms']:.1f} ms, concurrency max {row['concurrency_max']}")
         yield row
@@ -401,7 +425,9 @@ def run_bench(w, args, argv):
     routers = [(l.attn_router, l.ffn_router, l.layer_router) for l in m.layers]
     rec = serving_meta(w, run, args, argv, m, slot_len)
     log(f"{w.name} workload: {rec['workload']}")
-    for name, attn, ffn in w.profiles:
+    # Run k serves the profiles in order, run k + 1 in reverse: no profile always comes first (--runs).
+    order = [(k + 1, p) for k in range(args.runs) for p in (w.profiles if k % 2 == 0 else w.profiles[::-1])]
+    for run_no, (name, attn, ffn) in order:
         if out_of_time(name):
             continue
         if attn is None:
@@ -416,10 +442,10 @@ def run_bench(w, args, argv):
         server = Server(forward, w.n_slots, slot_len, chunk=args.chunk)
         try:
             for row in serve_rates(server, w, name, skip, out_of_time, log):
-                rec["rows"].append(row)
+                rec["rows"].append(dict(row, run=run_no))
                 publish()
                 if args.http and not out_of_time(f"{name} rate {row['rate']:g}, HTTP front"):
-                    rec["rows"].append(serve_http(server, w, name, skip, row["rate"], log))
+                    rec["rows"].append(dict(serve_http(server, w, name, skip, row["rate"], log), run=run_no))
                     publish()
         finally:
             server.close()
@@ -516,6 +542,8 @@ def main(argv=None):
     # >= Policy.sparse_prefill_min_tokens: WIDE's sparse prefill kernels run (smaller chunks: results/serving.md)
     p.add_argument("--chunk", type=cli.integer(1), default=2048, help="prefill chunk in tokens (a long prompt "
                    "does not stall the running decodes for longer than one chunk)")
+    p.add_argument("--runs", type=cli.integer(1, 8), default=1, help="serve every profile this many times, each "
+                   "time on a fresh server, the order reversed every other run (the rows: run 1, 2, ...; default 1)")
     p.add_argument("--http", action="store_true", help="also serve each rate through serve.py's HTTP front, each "
                    "request a streaming client (rows '<profile>, HTTP front')")
     p.add_argument("--redraw", metavar="JSON", default=None, help="measure nothing: rewrite the .md and .png of an "

@@ -6,10 +6,13 @@ The plot and table are built from synthetic records (no model runs), so these te
 """
 import json
 import math
+import types
 
 import pytest
+import torch
 
 import kernels_base
+import serve
 from bench import common, serving
 from conftest import assert_one_line_error, stopped
 from model import ModelConfig
@@ -233,3 +236,25 @@ def test_redraw_rewrites_the_tables_from_the_json_with_todays_quality_file(tmp_p
     assert json.loads(path.read_text())["rows"] == rec["rows"]  # the measurements themselves untouched
     with pytest.raises(SystemExit):
         serving.main(["--redraw", str(tmp_path / "absent.json")])
+
+
+def test_runs_are_each_compared_with_their_own_dense_and_their_spread_reported():
+    rec = record([INF])
+    second = [dict(r, run=2, output_tok_s=r["output_tok_s"] * (2.0 if r["profile"] == "dense" else 1.0))
+              for r in rec["rows"]]
+    rec["rows"] = [dict(r, run=1) for r in rec["rows"]] + second[::-1]  # run 2 served the profiles in reverse
+    md = serving.serving_markdown(rec)
+    assert "| all at once | 1 | WIDE 50/50 | 1200.0 | 1.20x |" in md
+    assert "| all at once | 2 | WIDE 50/50 | 1200.0 | 0.60x |" in md, "run 2's WIDE against run 2's dense"
+    assert "WIDE 50/50 at all at once, vs dense over 2 runs: 0.60x - 1.20x" in md
+    panels, _, legends = plotted(rec)
+    assert "WIDE 50/50, run 2" in legends[0] and len(panels[0]) == 6  # a marker per profile and run
+
+
+def test_first_requests_ttft_is_reported_apart_from_the_rest():
+    reqs = [serve.Request([1], 2, arrival=i) for i in range(20)]
+    for i, r in enumerate(reqs):
+        r.tokens, r.t_first, r.t_done = [1, 2], r.arrival + (0.5 if i < 16 else 0.1), r.arrival + 1.0
+    server = types.SimpleNamespace(busy=[1], steps=1, marks=[], device=torch.device("cpu"))
+    got = serving.summarize(reqs, server, 10.0)
+    assert got["ttft_first16_p50_ms"] == pytest.approx(500.0) and got["ttft_rest_p50_ms"] == pytest.approx(100.0)
