@@ -198,8 +198,8 @@ class Engine:
         every_head = None
         if "step_every_head" in plan.step:
             every_head = layout(torch.ones(B, T, m.config.n_kv_heads, dtype=torch.bool, device=idx.device))
-        start_t = input_pos.reshape(-1)[:1] if input_pos is not None else torch.zeros(1, dtype=torch.long,
-                                                                                       device=idx.device)
+        start_t = (input_pos.reshape(-1)[:1].to(idx.device) if input_pos is not None else
+                   torch.zeros(1, dtype=torch.long, device=idx.device))
         return StepInputs(decode, cos, sin, slot, kv_len, all_heads, visible, start, start_t, every_head, plan)
 
     def __call__(self, idx, input_pos=None, logits_at=None, masks=None, start=None):
@@ -479,14 +479,15 @@ PREFILL_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 153
 def prefill_graphs(model, caches, chunk, later):
     """A CUDAGraphPrefill per chunk length bucket up to `chunk` tokens (PREFILL_BUCKETS, then steps of 1024, and
     `chunk`; a dense model's up to the policy's dense_prefill_graph_max_tokens), at start 0 and, if `later`,
-    after it, smallest first; they share one staging row per layer and one memory pool (a server replays one
-    at a time). model: an Engine; caches: each layer's cache [slots, ...]."""
+    after it, smallest first; they share one staging row per layer, and each keeps its own memory pool (a
+    shared one is only safe for graphs replayed in the order they were captured). model: an Engine; caches:
+    each layer's cache [slots, ...]."""
     routed = any(r is not None for layer in model.model.layers for r in (layer.attn_router, layer.ffn_router))
     longest = chunk if routed else min(chunk, model.policy.dense_prefill_graph_max_tokens)
     c = caches[0].k_cache
     stage = [KVCache(1, c.shape[2], c.shape[1], c.shape[3], c.dtype, c.device) for _ in caches]
-    row, pool = torch.zeros(1, dtype=torch.long, device=c.device), torch.cuda.graph_pool_handle()
-    return [CUDAGraphPrefill(model, n, after, caches, stage, row, pool) for after in (False, True)[:1 + later]
+    row = torch.zeros(1, dtype=torch.long, device=c.device)
+    return [CUDAGraphPrefill(model, n, after, caches, stage, row) for after in (False, True)[:1 + later]
             for n in prefill_sizes(longest) if int(after) + n <= c.shape[2] - 1]
 
 
@@ -508,7 +509,7 @@ class CUDAGraphPrefill:
     graph runs the chunk on `stage` (one row per layer) and copies between it and the request's row (`row`,
     on the device) of each layer's cache [slots, ...]: the chunk's positions at start 0, the whole row after."""
 
-    def __init__(self, model, tokens, later, caches, stage, row, pool=None):
+    def __init__(self, model, tokens, later, caches, stage, row):
         device, layers = model.tickets.device, model.model.layers
         self.tokens, self.later, self.positions = tokens, later, stage[0].k_cache.shape[2] - 1
         self.idx = torch.zeros(1, tokens, dtype=torch.long, device=device)
@@ -538,7 +539,7 @@ class CUDAGraphPrefill:
                     forward()
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
+            with torch.cuda.graph(self.graph):
                 self.logits = forward()  # [1, 1, vocab]
         finally:
             for layer, c in zip(layers, saved):

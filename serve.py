@@ -100,9 +100,10 @@ def read(now):
 
 class Server:
     """Continuous batching over a fixed number of cache slots. forward: engine.select(model, backend).
-    max_queue: how many requests may wait for a slot; submit() rejects the ones beyond it."""
+    max_queue: how many requests may wait for a slot; submit() rejects the ones beyond it. graph_prefill: on a
+    GPU, warm_up captures the prefill chunks as CUDA graphs (False: they run eagerly)."""
 
-    def __init__(self, forward, n_slots, slot_len, chunk=None, cuda_graph=None, max_queue=1024):
+    def __init__(self, forward, n_slots, slot_len, chunk=None, cuda_graph=None, max_queue=1024, graph_prefill=True):
         self.forward, self.n_slots, self.slot_len, self.max_queue = forward, n_slots, slot_len, max_queue
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue {max_queue!r}: give a whole number >= 1 (how many requests may wait "
@@ -111,7 +112,7 @@ class Server:
         self.model = forward.model if self.is_engine else forward
         if slot_len > self.model.config.max_seq_len:
             raise ValueError(f"slot_len {slot_len} exceeds the model's context of {self.model.config.max_seq_len}")
-        self.chunk, self.device = chunk, self.model.embed_tokens.weight.device
+        self.chunk, self.device, self.graph_prefill = chunk, self.model.embed_tokens.weight.device, graph_prefill
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         forward.setup_caches(n_slots, slot_len)
         self.caches = [layer.self_attn.kv_cache for layer in self.model.layers]
@@ -308,7 +309,7 @@ class Server:
             self.forward.warm_prefill(self.chunk or self.slot_len - 1, self.slot_len - 1)
             chunk = self.chunk or self.slot_len - 1  # (a later chunk: a prompt longer than one)
             self.prefills = engine.prefill_graphs(self.forward, self.caches, chunk, chunk < self.slot_len - 2) \
-                if self.cuda_graph else []
+                if self.cuda_graph and self.graph_prefill else []
             self.scrub(0)
         for n in self.buckets if self.cuda_graph else []:
             self.use_rows(slice(0, n))

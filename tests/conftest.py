@@ -93,7 +93,7 @@ def specialization(fn, args, kwargs):
     import triton.language as tl
     params = inspect.signature(fn.fn).parameters
     constexpr = {n for n, p in params.items() if p.annotation is tl.constexpr or p.annotation == "tl.constexpr"}
-    free = set(fn.kwargs.get("do_not_specialize") or ())
+    free = set((fn.kwargs.get("do_not_specialize") if hasattr(fn, "kwargs") else fn.do_not_specialize) or ())
     bound = dict(zip(fn.arg_names, args), **{k: v for k, v in kwargs.items() if k in params})
     key = []
     for i, name in enumerate(fn.arg_names):
