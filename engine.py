@@ -27,7 +27,6 @@ from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
 from kernels_step import norm_route, rms_norm, rope_and_store
-from model import KVCache
 from policy import GEMV_MAX_TOKENS, Plan, Policy, Shape
 from wide import shared_by_vote
 
@@ -469,92 +468,6 @@ class CUDAGraphDecoder:
     def __call__(self, token, pos):
         self.token.copy_(token)
         self.pos.copy_(pos)
-        self.graph.replay()
-        return self.logits
-
-
-PREFILL_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)  # then per 1024
-
-
-def prefill_graphs(model, caches, chunk, later):
-    """A CUDAGraphPrefill per chunk length bucket up to `chunk` tokens (PREFILL_BUCKETS, then steps of 1024, and
-    `chunk`; a dense model's up to the policy's dense_prefill_graph_max_tokens), at start 0 and, if `later`,
-    after it, smallest first; they share one staging row per layer, and each keeps its own memory pool (a
-    shared one is only safe for graphs replayed in the order they were captured). model: an Engine; caches:
-    each layer's cache [slots, ...]."""
-    routed = any(r is not None for layer in model.model.layers for r in (layer.attn_router, layer.ffn_router))
-    longest = chunk if routed else min(chunk, model.policy.dense_prefill_graph_max_tokens)
-    c = caches[0].k_cache
-    stage = [KVCache(1, c.shape[2], c.shape[1], c.shape[3], c.dtype, c.device) for _ in caches]
-    row = torch.zeros(1, dtype=torch.long, device=c.device)
-    return [CUDAGraphPrefill(model, n, after, caches, stage, row) for after in (False, True)[:1 + later]
-            for n in prefill_sizes(longest) if int(after) + n <= c.shape[2] - 1]
-
-
-def prefill_sizes(longest):
-    """The chunk lengths with a prefill graph, up to `longest`: a chunk is padded to the next one."""
-    return sorted({b for b in PREFILL_BUCKETS if b < longest} | set(range(3072, longest, 1024)) | {longest})
-
-
-class CUDAGraphPrefill:
-    """One row's prefill chunk of up to `tokens` tokens as a CUDA graph, at start 0 or after it (`later`). An
-    eager chunk costs the host a launch per op (a WIDE chunk about twice dense's), which holds the GPU up to
-    well past a thousand tokens; a replay costs the host one call.
-
-    A shorter chunk is padded to `tokens` after its real tokens: causal attention keeps the real tokens from
-    seeing the padding, whose logits are never read and whose K/V land at the positions after the chunk,
-    which the request writes again before it reads them (a later chunk, a decode step). The chunk's start
-    reaches the kernels as input_pos[0] on the device, so one graph serves every start with room for `tokens`
-    (fits). A graph holds the addresses it was captured with, and a request may sit in any cache row: the
-    graph runs the chunk on `stage` (one row per layer) and copies between it and the request's row (`row`,
-    on the device) of each layer's cache [slots, ...]: the chunk's positions at start 0, the whole row after."""
-
-    def __init__(self, model, tokens, later, caches, stage, row):
-        device, layers = model.tickets.device, model.model.layers
-        self.tokens, self.later, self.positions = tokens, later, stage[0].k_cache.shape[2] - 1
-        self.idx = torch.zeros(1, tokens, dtype=torch.long, device=device)
-        self.pos = torch.arange(int(later), int(later) + tokens, device=device)
-        self.last, self.row = torch.zeros(1, dtype=torch.long, device=device), row
-
-        def forward():
-            # A chunk at start 0 reads and writes only its own positions; a later one reads the row's prefix and
-            # writes after it, both where its start says: it copies the whole row in and out.
-            end = None if later else tokens
-            for c, st in zip(caches, stage) if later else ():
-                torch.index_select(c.k_cache, 0, row, out=st.k_cache)
-                torch.index_select(c.v_cache, 0, row, out=st.v_cache)
-            logits = model(self.idx, input_pos=self.pos, logits_at=self.last, start=int(later))
-            for c, st in zip(caches, stage):
-                c.k_cache[:, :, :end].index_copy_(0, row, st.k_cache[:, :, :end])
-                c.v_cache[:, :, :end].index_copy_(0, row, st.v_cache[:, :, :end])
-            return logits
-        saved = [layer.self_attn.kv_cache for layer in layers]
-        for layer, st in zip(layers, stage):
-            layer.self_attn.kv_cache = st
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    forward()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = forward()  # [1, 1, vocab]
-        finally:
-            for layer, c in zip(layers, saved):
-                layer.self_attn.kv_cache = c
-
-    def fits(self, n, start):
-        return n <= self.tokens and (start > 0) == self.later and start + self.tokens <= self.positions
-
-    def __call__(self, ids, start, row):
-        """Logits [1, 1, vocab] of the last of `ids` (token ids) placed at positions start.. of cache row `row`."""
-        n = len(ids)
-        self.idx[0, :n].copy_(torch.tensor(ids), non_blocking=True)
-        self.pos.copy_(torch.arange(start, start + self.tokens), non_blocking=True)
-        self.last.fill_(n - 1)
-        self.row.fill_(row)
         self.graph.replay()
         return self.logits
 

@@ -104,10 +104,6 @@ class Policy:
     # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa" (with
     # the model's causal-mask rows, which rules out flash); the Triton kernel was the faster on the H200.
     dense_chunk_attention: str = "triton"
-    # serve.py replays a prefill chunk as a CUDA graph (engine.CUDAGraphPrefill) where launching its ops one by one
-    # from the host would hold the GPU up: every chunk of a routed model, a dense model's up to this many tokens.
-    # Past it a dense chunk's GPU time covers its launches, and a graph would only add its staging copies.
-    dense_prefill_graph_max_tokens: int = 512
 
     def plan(self, shape, routers):
         """The whole step: routers is one (attn, ffn) pair per layer, each None (no router), "wide" (a

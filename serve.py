@@ -100,10 +100,9 @@ def read(now):
 
 class Server:
     """Continuous batching over a fixed number of cache slots. forward: engine.select(model, backend).
-    max_queue: how many requests may wait for a slot; submit() rejects the ones beyond it. graph_prefill: on a
-    GPU, warm_up captures the prefill chunks as CUDA graphs (False: they run eagerly)."""
+    max_queue: how many requests may wait for a slot; submit() rejects the ones beyond it."""
 
-    def __init__(self, forward, n_slots, slot_len, chunk=None, cuda_graph=None, max_queue=1024, graph_prefill=True):
+    def __init__(self, forward, n_slots, slot_len, chunk=None, cuda_graph=None, max_queue=1024):
         self.forward, self.n_slots, self.slot_len, self.max_queue = forward, n_slots, slot_len, max_queue
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue {max_queue!r}: give a whole number >= 1 (how many requests may wait "
@@ -112,13 +111,12 @@ class Server:
         self.model = forward.model if self.is_engine else forward
         if slot_len > self.model.config.max_seq_len:
             raise ValueError(f"slot_len {slot_len} exceeds the model's context of {self.model.config.max_seq_len}")
-        self.chunk, self.device, self.graph_prefill = chunk, self.model.embed_tokens.weight.device, graph_prefill
+        self.chunk, self.device = chunk, self.model.embed_tokens.weight.device
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         forward.setup_caches(n_slots, slot_len)
         self.caches = [layer.self_attn.kv_cache for layer in self.model.layers]
         self.buckets = sorted({b for b in BUCKETS if b < n_slots} | {n_slots})
         self.graphs = {}                 # bucket -> CUDAGraphDecoder
-        self.prefills = []               # engine.CUDAGraphPrefill, smallest first (warm_up, on a GPU)
         self.slots = [None] * n_slots    # the request in each slot, or None
         self.queue = []                  # waiting for a slot, at most max_queue
         self.done = []                   # every request that ended: done, rejected, cancelled or stopped
@@ -126,7 +124,7 @@ class Server:
         self.marks = []                  # [phase, start, end (CUDA events or clock), tokens or rows]: bench.serving
 
     def close(self):
-        self.graphs, self.prefills = {}, []
+        self.graphs.clear()
         self.caches = []  # the cache's memory goes back before the next Server allocates its own
         self.forward.clear_caches()
 
@@ -225,14 +223,10 @@ class Server:
     def prefill(self, req, now):
         P, start = len(req.prompt), req.prefilled
         end = P if not self.chunk else min(P, start + self.chunk)
-        graph = next((g for g in self.prefills if g.fits(end - start, start)), None)
-        if graph is not None:  # one replay, padded to its length
-            logits = graph(req.prompt[start:end], start, req.slot)
-        else:
-            self.use_rows(slice(req.slot, req.slot + 1))
-            logits = self.forward(torch.tensor([req.prompt[start:end]], device=self.device),  # [1, T] at start..
-                                  input_pos=torch.arange(start, end, device=self.device),
-                                  logits_at=torch.tensor([end - start - 1], device=self.device))
+        self.use_rows(slice(req.slot, req.slot + 1))
+        logits = self.forward(torch.tensor([req.prompt[start:end]], device=self.device),  # [1, T] at start..
+                              input_pos=torch.arange(start, end, device=self.device),
+                              logits_at=torch.tensor([end - start - 1], device=self.device))
         req.prefilled = end
         # Only the last piece is read back: a NaN in an earlier chunk's K/V shows there, as every later
         # position attends to it.
@@ -302,14 +296,11 @@ class Server:
     @torch.no_grad()  # the Triton engine refuses grad-enabled calls, and graphs capture no autograd
     def warm_up(self, prefill=None):
         """Before the first request, so that none pays a compile in its latency: a prefill chunk of every shape a
-        request can reach (Engine.warm_prefill; default: on a GPU, as the interpreter compiles nothing), the
-        prefill chunks' CUDA graphs, and every decode bucket's (all slots free: dummy rows at position 0)."""
+        request can reach (Engine.warm_prefill; default: on a GPU, as the interpreter compiles nothing), and every
+        decode bucket's CUDA graph (all slots free: dummy rows at position 0)."""
         if self.is_engine and (self.cuda_graph if prefill is None else prefill):
             self.use_rows(slice(0, 1))
             self.forward.warm_prefill(self.chunk or self.slot_len - 1, self.slot_len - 1)
-            chunk = self.chunk or self.slot_len - 1  # (a later chunk: a prompt longer than one)
-            self.prefills = engine.prefill_graphs(self.forward, self.caches, chunk, chunk < self.slot_len - 2) \
-                if self.cuda_graph and self.graph_prefill else []
             self.scrub(0)
         for n in self.buckets if self.cuda_graph else []:
             self.use_rows(slice(0, n))

@@ -310,11 +310,9 @@ def serving_meta(w, run, args, argv, m, slot_len):
                          f"{w.output[1]} tokens, greedy, {w.n_slots} slots of {slot_len} positions "
                          f"(KV cache {gib:.1f} GiB)",
                 engine="engine.Engine (Triton) for every profile; dense = the routers removed; prompts prefilled in "
-                       f"chunks of {args.chunk} tokens, one chunk per loop iteration between decode steps, "
-                       + ("launched op by op (--eager-prefill)" if args.eager_prefill else "replayed as CUDA graphs "
-                          "(engine.CUDAGraphPrefill; a dense chunk past Policy.dense_prefill_graph_max_tokens eagerly)")
-                       + "; decode steps replayed as CUDA graphs per batch bucket" + (" (eager on the CPU)" if w.smoke
-                                                                                       else ""))
+                       f"chunks of {args.chunk} tokens, one chunk per loop iteration between decode steps, launched "
+                       "op by op; decode steps replayed as CUDA graphs per batch bucket"
+                       + (" (eager on the CPU)" if w.smoke else ""))
 
 
 def serve_rates(server, w, name, skip, out_of_time, log):
@@ -442,7 +440,7 @@ def run_bench(w, args, argv):
         forward = engine.Engine(m)
         if torch.cuda.is_available():
             check_cache_fits(m, w, slot_len)
-        server = Server(forward, w.n_slots, slot_len, chunk=args.chunk, graph_prefill=not args.eager_prefill)
+        server = Server(forward, w.n_slots, slot_len, chunk=args.chunk)
         try:
             for row in serve_rates(server, w, name, skip, out_of_time, log):
                 rec["rows"].append(dict(row, run=run_no))
@@ -545,8 +543,6 @@ def main(argv=None):
     # >= Policy.sparse_prefill_min_tokens: WIDE's sparse prefill kernels run (smaller chunks: results/serving.md)
     p.add_argument("--chunk", type=cli.integer(1), default=2048, help="prefill chunk in tokens (a long prompt "
                    "does not stall the running decodes for longer than one chunk)")
-    p.add_argument("--eager-prefill", action="store_true", help="prefill chunks launched op by op from the host, "
-                   "not replayed as CUDA graphs (engine.CUDAGraphPrefill)")
     p.add_argument("--runs", type=cli.integer(1, 8), default=1, help="serve every profile this many times, each "
                    "time on a fresh server, the order reversed every other run (the rows: run 1, 2, ...; default 1)")
     p.add_argument("--http", action="store_true", help="also serve each rate through serve.py's HTTP front, each "

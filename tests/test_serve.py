@@ -297,26 +297,3 @@ def test_gpu_a_warmed_up_server_compiles_nothing_while_it_serves(routers):
         server.close()
     assert all(r.error is None and len(r.tokens) == r.max_new_tokens for r in reqs)
     assert not compiled, f"{len(compiled)} kernels compiled while serving: {[str(c)[:80] for c in compiled[:3]]}"
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
-@pytest.mark.parametrize("chunk", [None, 7])
-def test_gpu_graphed_prefill_chunks_give_every_request_its_tokens_alone(chunk):
-    # warm_up captures the prefill chunks as CUDA graphs (padded to their bucket, copied through a staging row):
-    # every request in every cache row still gets exactly the greedy tokens of generating it alone (fp32).
-    m = wide_model("cuda")
-    reqs = requests(5, 10, max_prompt=40, max_new=6)
-    expected = [alone(m, r) for r in reqs]
-    e = engine.Engine(m)
-    server = serve.Server(e, 3, 64, chunk=chunk)
-    server.warm_up()
-    assert server.prefills and all(g.tokens <= (chunk or 63) for g in server.prefills)
-    replays = []
-    for g in server.prefills:
-        g.graph.replay = (lambda f, g=g: lambda: (replays.append(g.tokens), f())[1])(g.graph.replay)
-    try:
-        server.serve(reqs, now=itertools.count().__next__)
-    finally:
-        server.close()
-    assert len(replays) >= len(reqs) and max(server.busy) >= 2
-    assert [r.tokens for r in reqs] == expected
