@@ -188,7 +188,7 @@ def markdown(rec):
     by = {(r["profile"], r["start"], r["tokens"]): r for r in rows}
     out = [f"# Prefill chunks, WIDE against dense ({rec['gpu']})", "",
            f"torch {rec['torch']}, triton {rec['triton']}, {rec['date']}, `{rec['command']}`. {rec['model']}. "
-           f"{rec['timing']}", "",
+           f"{rec['timing']}", ""] + ([rec["note"], ""] if rec.get("note") else []) + [
            "ms of one chunk as the server runs it, eagerly (vs dense: dense ms / WIDE ms, > 1 = WIDE faster):", ""]
     out += chunk_table(rec, "eager_ms")
     worst = [(d["eager_ms"] / r["eager_ms"], r) for r in rows if r["profile"] != "dense"

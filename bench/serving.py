@@ -196,7 +196,7 @@ def serving_markdown(rec):
     out = [f"# Serving on {title}", "", f"torch {rec['torch']}, triton {rec['triton']}, {rec['date']}, "
            f"`{rec['command']}`, {rec.get('wall_s', '?')} s.", "",
            f"Model: {rec['model']}. Workload: {rec['workload']}. Engine: {rec['engine']}", "",
-           f"ppl / dense: {source}.", "",
+           f"ppl / dense: {source}.", ""] + ([rec["note"], ""] if rec.get("note") else []) + [
            "| rate (req/s) | run | profile | output tok/s | vs dense | TTFT p50 / p99 (ms) | TTFT p50 first 16 / rest "
            "(ms) | TPOT p50 / p99 (ms) | concurrency max / mean | skipped attn / FFN | prefill ms per 1k tokens | "
            "decode ms per step | in-phase share of wall | ppl / dense |", "|---" * 14 + "|"]
