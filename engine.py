@@ -101,7 +101,7 @@ class StepInputs(NamedTuple):
     all_heads: torch.Tensor  # [B, 1] all True: the dense model's decode attention
     visible: torch.Tensor   # [B, 1, 1, L] cache slots each row may see (the "decode_sdpa" attention)
     start: int              # a prefill's first position: 0, or where a chunk of a longer prompt begins
-    start_t: torch.Tensor   # the same on the device ([1]: the first of input_pos), as the prefill kernel reads it
+    start_t: torch.Tensor = None  # the same on the device ([1]: input_pos[0]), as the prefill kernel reads it
     every_head: object = None  # the layout of every head group live, for the "prefill_every" attention of a
                                # dense layer's later chunk: built once per step (plan op step_every_head)
     plan: Plan = None       # what runs where in this step (policy.py)
