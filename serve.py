@@ -5,11 +5,12 @@ Serving: many requests at once through one static KV cache (continuous batching)
                                    one prefill piece, then one decode step for all running slots, repeat
 
 The cache has `n_slots` rows of `slot_len` positions, set up once. A request takes the lowest free slot, is
-prefilled straight into that row (SlotView: generate.py's prefill at batch 1, no copy), then decodes one token
-per step beside every other running request, each at its own position. A decode step runs the smallest bucket
-of rows (BUCKETS) covering the highest running slot, one CUDA graph per bucket on a GPU (warm_up compiles and
-captures all before the first request); rows not decoding run a dummy token where no request reads. Overload,
-cancellation and non-finite logits end one request alone, with one line in Request.error. Greedy, with decode
+prefilled straight into that row (SlotView: generate.py's prefill at batch 1, no copy), then decodes one
+token per step next to every other running request, each at its own position. A decode step runs the
+smallest bucket of rows (BUCKETS) that covers the highest running slot, one CUDA graph per bucket on a GPU
+(Server.warm_up compiles every kernel and captures every graph before the first request);
+rows that are not decoding run a dummy token where no request reads. Overload, cancellation and non-finite
+logits end one request alone, with one line in Request.error (tests/test_serve_stress.py). Greedy, with decode
 steps of at most model.ffn_rule.max_rows rows (wide.FFNRule), gives every request the tokens of generating it
 alone (tests/test_serve.py); sampling draws from each request's own seeded stream (sample_rows).
     python serve.py --sparsity 0.5 --port 8000    # the OpenAI-compatible front (make_app) over the loop (Loop)
@@ -103,15 +104,17 @@ class Server:
     max_queue: how many requests may wait for a slot; submit() rejects the ones beyond it."""
 
     def __init__(self, forward, n_slots, slot_len, chunk=None, cuda_graph=None, max_queue=1024):
-        self.forward, self.n_slots, self.slot_len, self.max_queue = forward, n_slots, slot_len, max_queue
+        self.forward, self.n_slots, self.slot_len = forward, n_slots, slot_len
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue {max_queue!r}: give a whole number >= 1 (how many requests may wait "
                              f"for a slot before new ones are rejected)")
+        self.max_queue = max_queue
         self.is_engine = isinstance(forward, engine.Engine)
         self.model = forward.model if self.is_engine else forward
         if slot_len > self.model.config.max_seq_len:
             raise ValueError(f"slot_len {slot_len} exceeds the model's context of {self.model.config.max_seq_len}")
-        self.chunk, self.device = chunk, self.model.embed_tokens.weight.device
+        self.chunk = chunk
+        self.device = self.model.embed_tokens.weight.device
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         forward.setup_caches(n_slots, slot_len)
         self.caches = [layer.self_attn.kv_cache for layer in self.model.layers]
@@ -180,8 +183,9 @@ class Server:
         self.done.append(req)
 
     def scrub(self, slot):
-        # Zero the slot's row in every layer, all positions (the scratch one too). Attention masks stale positions,
-        # but a masked NaN still makes NaN (0 * NaN): a row that may hold one is not handed on as it is.
+        # Zero the slot's row in every layer, all positions (the scratch one too). Attention masks stale
+        # positions, but a masked NaN still makes NaN (0 * NaN), so a row that may hold one must not be
+        # handed on as it is. Only early ends pay for it (2 fills per layer), never a normal finish.
         for cache in self.caches:
             cache.k_cache[slot].zero_()
             cache.v_cache[slot].zero_()
@@ -207,26 +211,27 @@ class Server:
     @contextlib.contextmanager
     def timed(self, phase):
         # CUDA events around a phase, read after the run (no extra host sync); on the CPU, wall time.
-        cuda = self.device.type == "cuda"
-        if cuda:
-            mark = [phase, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 0]
-            mark[1].record(torch.cuda.current_stream(self.device))
-        else:
-            mark = [phase, time.perf_counter(), None, 0]
-        yield mark
-        if cuda:
-            mark[2].record(torch.cuda.current_stream(self.device))
-        else:
+        if not self.device.type == "cuda":
+            t = time.perf_counter()
+            mark = [phase, t, None, 0]
+            yield mark
             mark[2] = time.perf_counter()
+        else:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            stream = torch.cuda.current_stream(self.device)
+            a.record(stream)
+            mark = [phase, a, b, 0]
+            yield mark
+            b.record(stream)
         self.marks.append(mark)
 
     def prefill(self, req, now):
         P, start = len(req.prompt), req.prefilled
         end = P if not self.chunk else min(P, start + self.chunk)
         self.use_rows(slice(req.slot, req.slot + 1))
-        logits = self.forward(torch.tensor([req.prompt[start:end]], device=self.device),  # [1, T] at start..
-                              input_pos=torch.arange(start, end, device=self.device),
-                              logits_at=torch.tensor([end - start - 1], device=self.device))
+        idx = torch.tensor([req.prompt[start:end]], device=self.device)                   # [1, T]
+        pos = torch.arange(start, end, device=self.device)                                # [T]
+        logits = self.forward(idx, input_pos=pos, logits_at=torch.tensor([end - start - 1], device=self.device))
         req.prefilled = end
         # Only the last piece is read back: a NaN in an earlier chunk's K/V shows there, as every later
         # position attends to it.
