@@ -26,7 +26,7 @@ import kernels_gemv
 from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
-from kernels_step import norm_route, rms_norm, rope_and_store
+from kernels_step import norm_route, quantize_rows, quantize_rows_ref, rms_norm, rope_and_store
 from policy import GEMV_MAX_TOKENS, Plan, Policy, Shape
 from wide import shared_by_vote
 
@@ -66,6 +66,23 @@ def fuse_weights(layer):
             start += n
         fused.append(w)
     return tuple(fused)
+
+
+@torch.no_grad()
+def fp8_model(model, activations=False):
+    """The torch model that computes what Engine(weights="fp8") does, made in place (eval.py's fp8 rows, the
+    tests' reference): each prunable linear's weight replaced by the values its fp8 codes stand for (the
+    decode kernels' scheme, weights only); activations=True: each also quantizes its input per token and
+    computes as kernels.scaled_mm does (the "fp8 x fp8" ops of the plan)."""
+    for layer in model.layers:
+        a, f = layer.self_attn, layer.mlp
+        for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.gate_proj, f.up_proj, f.down_proj):
+            codes, scale = kernels.quantize_fp8(lin.weight)
+            lin.weight.copy_(kernels.dequantize_fp8(codes, scale, lin.weight.dtype))
+            if activations:
+                lin.forward = lambda x, codes=codes, scale=scale: kernels.scaled_mm_ref(
+                    quantize_rows_ref(x.reshape(-1, x.shape[-1])), codes, scale, x.dtype).view(*x.shape[:-1], -1)
+    return model
 
 
 def select(model, backend="auto", policy=None, weights="bf16"):
@@ -238,10 +255,10 @@ class Engine:
         rule (vote: the rows a group needs), and the router kernel's live list of that mask (None where the
         mask was made apart from it). The float mask goes into `masks` as the reference records it."""
         live = None
-        if op.kind == "norm":
+        if op.kind in ("norm", "norm_fp8"):  # norm_fp8: the output as fp8 rows, for _scaled_mm
             if router is not None and masks is not None:  # the batch rule: every group ran, as the model records
                 masks.setdefault(kind, []).append(x.new_ones(*x.shape[:-1], router.n_groups, dtype=torch.float32))
-            return rms_norm(x, norm, residual), None, None
+            return rms_norm(x, norm, residual, fp8=op.kind == "norm_fp8"), None, None
         if op.kind == "norm_route":
             normed, keep, keepf, live = norm_route(x, norm, router, residual, self.tickets)
         else:  # "norm_then_router"
@@ -260,21 +277,32 @@ class Engine:
         the fp8 codes stand for (a prefill on an fp8 engine)."""
         w = {"qkv": self.fused[id(layer)][0], "o": layer.self_attn.o_proj.weight,
              "gu": self.fused[id(layer)][1], "down": layer.mlp.down_proj.weight}[name]
-        if op.weights == "fp8":
+        if op.weights in ("fp8", "fp8 x fp8"):
             return self.fp8[id(layer)][name]
         if op.weights.startswith("fp8 -> "):
             return kernels.dequantize_fp8(*self.fp8[id(layer)][name], w.dtype), None
         return w, None
+
+    def matmul(self, x, layer, name, op, swiglu=False, mask=None, group_size=0):
+        """x @ w.T for an op on a library GEMM: cuBLAS (F.linear) on the weights linear_weights gives, or, for
+        "fp8 x fp8", torch._scaled_mm on the fp8 codes with x quantized per token (x may come as Fp8Rows
+        from the norm already; swiglu, mask: quantize_rows forms silu(gate) * up and zeroes pruned groups)."""
+        w, scale = self.linear_weights(layer, name, op)
+        if op.weights != "fp8 x fp8":
+            return F.linear(x, w)
+        if not isinstance(x, kernels.Fp8Rows):
+            x = quantize_rows(x, swiglu, mask, group_size)
+        return kernels.scaled_mm(x, w, scale, self.model.embed_tokens.weight.dtype)
 
     def attention(self, layer, ops, x, step, head_mask, head_live, residual):
         """Attention with head_mask bool [B, T, G] or None (dense), head_live its live list (or None). Returns
         residual + attention where the O projection runs in Triton (its kernel adds the residual in its
         epilogue), else attention alone."""
         attn = layer.self_attn
-        B, T, _ = x.shape
+        B, T, _ = residual.shape
         M, H, Hkv, d = B * T, attn.n_heads, attn.n_kv_heads, attn.head_dim
         nq = H * d
-        x2 = x.reshape(M, -1)
+        x2 = x if isinstance(x, kernels.Fp8Rows) else x.reshape(M, -1)  # fp8 rows: the norm quantized it
         if head_mask is not None:
             mask, gs = head_mask.reshape(M, -1), H // head_mask.shape[-1] * d
         if "attn_layout" in ops:
@@ -283,9 +311,9 @@ class Engine:
         if attn.kv_cache is not None:  # K/V are never pruned: the static cache stays complete
             kc, vc = attn.kv_cache.k_cache, attn.kv_cache.v_cache
         else:
-            kc, vc = (torch.empty(B, Hkv, T, d, dtype=x.dtype, device=x.device) for _ in range(2))
+            kc, vc = (torch.empty(B, Hkv, T, d, dtype=residual.dtype, device=residual.device) for _ in range(2))
         op = ops["qkv"]
-        wqkv, s8 = self.linear_weights(layer, "qkv", op)
+        wqkv, s8 = self.linear_weights(layer, "qkv", op) if op.runs.startswith("Triton") else (None, None)
         # The decode GEMV does RoPE and the KV-cache write in its epilogue (the plan has no separate rope op).
         rope = None if "rope" in ops else kernels_gemv.Rope(step.cos, step.sin, step.slot, kc, vc, nq, Hkv * d, T)
         if op.kind == "gemv":
@@ -299,7 +327,7 @@ class Engine:
             q = kernels.gemm_mn(x2, wqkv[:nq], lay, gs, zero_pruned=False)
             kv = F.linear(x2, wqkv[nq:])  # K and V in one GEMM: never pruned
         else:  # "cublas", "cublas_every_head": Q, K, V in one GEMM
-            qkv = F.linear(x2, wqkv)
+            qkv = self.matmul(x2, layer, "qkv", op)
         if rope is not None:  # qkv is Q, rotated; K and V are in the cache
             q = qkv.view(B, T, H, d).transpose(1, 2)
         else:
@@ -326,33 +354,38 @@ class Engine:
                                                enable_gqa=Hkv != H)
         y = y.transpose(1, 2).reshape(M, H * d)  # pruned heads are exact zeros here
         op = ops["o"]
-        wo, s8 = self.linear_weights(layer, "o", op)
         if op.kind == "gemm_k_all":  # the dense model: every group live
             gs, head_live = dense_group(nq), None
             mask = self.all_groups(M, nq // gs)
         if op.runs == "Triton":
+            wo, s8 = self.linear_weights(layer, "o", op)
             return kernels.gemm_k(y, wo, mask, gs, residual=residual.reshape(M, -1), tickets=self.tickets,
                                   w_scale=s8, live=head_live).view(B, T, -1)
-        return F.linear(y, wo).view(B, T, -1)
+        return self.matmul(y, layer, "o", op).view(B, T, -1)
 
     def ffn(self, layer, ops, x, channel_mask, channel_live, residual):
         """residual + SwiGLU FFN, with channel_mask bool [B, T, G] or None (dense) and its live list (or None),
         as the plan says."""
-        B, T, D = x.shape
+        B, T, D = residual.shape
         M = B * T
-        x2 = x.reshape(M, D)
+        x2 = x if isinstance(x, kernels.Fp8Rows) else x.reshape(M, D)  # fp8 rows: the norm quantized it
         op = ops["gate_up"]
-        wgu, sgu = self.linear_weights(layer, "gu", op)
-        I = wgu.shape[0] // 2
+        I = layer.mlp.gate_proj.out_features
         if channel_mask is not None:
             mask, gs = channel_mask.reshape(M, -1), I // channel_mask.shape[-1]
         if op.kind in ("cublas", "cublas_masked"):
-            g, u = F.linear(x2, wgu).split(I, dim=-1)  # gate and up in one GEMM
-            a = F.silu(g) * u
-            if op.kind == "cublas_masked":
-                a = (a.view(M, -1, gs) * mask[..., None]).view(M, -1)  # zero the pruned channel groups
+            gu = self.matmul(x2, layer, "gu", op)  # gate and up in one GEMM
+            pruned = mask if op.kind == "cublas_masked" else None
+            if ops["down"].weights == "fp8 x fp8":  # silu(gate) * up and the zeros, as down's fp8 input: one launch
+                a = quantize_rows(gu, swiglu=True, mask=pruned, group_size=gs if pruned is not None else 0)
+            else:
+                g, u = gu.split(I, dim=-1)
+                a = F.silu(g) * u
+                if pruned is not None:
+                    a = (a.view(M, -1, gs) * pruned[..., None]).view(M, -1)  # zero the pruned channel groups
         else:
             # gate+up fused, live channel groups only, silu(gate)*up in the epilogue, pruned slots 0.
+            wgu, sgu = self.linear_weights(layer, "gu", op)
             up_scale = None if sgu is None else sgu[I:]
             gate_scale = None if sgu is None else sgu[:I]
             if op.kind == "gemv_fused_all":  # every row as the decode GEMV's dense tail: mask [M, 0]
@@ -362,14 +395,14 @@ class Engine:
                 lay = layout(channel_mask) if "ffn_layout" in ops else mask
                 a = kernels.gemm_mn(x2, wgu[:I], lay, gs, w_up=wgu[I:], w_scale=gate_scale, w_up_scale=up_scale)
         op = ops["down"]
-        wd, sd = self.linear_weights(layer, "down", op)
         if op.kind == "gemm_k_all":
             gs, channel_live = dense_group(I), None
             mask = self.all_groups(M, I // gs)
         if op.runs == "Triton":  # the residual add in the kernel's epilogue
+            wd, sd = self.linear_weights(layer, "down", op)
             return kernels.gemm_k(a, wd, mask, gs, residual=residual.reshape(M, D), tickets=self.tickets,
                                   w_scale=sd, live=channel_live).view(B, T, D)
-        return residual + F.linear(a, wd).view(B, T, D)  # exact: the pruned channels of `a` are zero
+        return residual + self.matmul(a, layer, "down", op).view(B, T, D)  # exact: `a`'s pruned channels are 0
 
     @torch.no_grad()
     def warm_prefill(self, chunk, positions):

@@ -12,8 +12,12 @@ TRITON_INTERPRET=1 on the CPU) or fail; nothing falls back to a twin. Pruned out
   gemm_k(a[M,K], w[N,K], mask, group_size)   -> [M,N]  O proj, down proj: (a * mask) @ w.T
   (the layout: kernels_layout.py; attention over the live head groups: kernels_attention.py)
 fp8 weights (e4m3, one fp32 scale per output channel, `quantize_fp8`): the kernels read the live groups'
-codes, sum in fp32 and apply the channel's scale in the epilogue; the twins dequantize first.
+codes, sum in fp32 and apply the channel's scale in the epilogue; the twins dequantize first. A linear that
+skips nothing can instead run on fp8 tensor cores (`scaled_mm`: torch._scaled_mm) with its input quantized
+per token (`Fp8Rows`, made by kernels_step.quantize_rows): weights and activations in e4m3.
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -43,6 +47,28 @@ def quantize_fp8(w):
 def dequantize_fp8(wq, scale, dtype=torch.float32):
     """The values an fp8 weight stands for, in `dtype`: wq * scale[:, None], rounded once."""
     return (wq.float() * scale[:, None]).to(dtype)
+
+
+class Fp8Rows(NamedTuple):
+    """Activations as fp8: each row's e4m3 codes and its scale (quantize_fp8's rule, per token), as
+    torch._scaled_mm reads them. Made in the step by kernels_step.quantize_rows (or rms_norm(fp8=True))."""
+    codes: torch.Tensor  # [M, K] float8_e4m3fn
+    scale: torch.Tensor  # [M] fp32
+
+
+def scaled_mm_ref(a, w, w_scale, dtype):
+    """Twin of scaled_mm: the codes' products summed in fp32, times the row's scale and the output
+    channel's weight scale, rounded once to dtype."""
+    return ((a.codes.float() @ w.float().t()) * a.scale[:, None] * w_scale[None, :]).to(dtype)
+
+
+def scaled_mm(a, w, w_scale, dtype):
+    """a (Fp8Rows [M, K]) @ w.T for fp8 weight codes w [N, K] with per-channel scales w_scale [N]: fp8 tensor
+    cores through torch._scaled_mm, one scale per row on each side, the result in dtype. Per-row scales on a
+    GPU need a bf16 result: another dtype gets that one, converted."""
+    out = torch.bfloat16 if a.codes.is_cuda else dtype
+    y = torch._scaled_mm(a.codes, w.t(), scale_a=a.scale[:, None], scale_b=w_scale[None, :], out_dtype=out)
+    return y if y.dtype == dtype else y.to(dtype)
 
 
 def _dequantized(x, w, w_scale):

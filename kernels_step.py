@@ -2,49 +2,78 @@
 The small fused kernels of an inference step (engine.py), each after its PyTorch twin:
 
   norm_route      residual add + RMSNorm + the wide.Router decision (and the live list), one launch per sublayer
-  rms_norm        RMSNorm (with the residual add) where there is no router
+  rms_norm        RMSNorm (with the residual add) where there is no router; its output as fp8 rows if asked
   rope_and_store  RoPE on q and k, and k, v written into the static KV cache at each token's slot
+  quantize_rows   a linear's input as fp8 rows (per-token e4m3 codes and scale) for kernels.scaled_mm; the
+                  SwiGLU product and the pruned channel groups' zeros in the same launch
 
 They skip nothing; they exist so that a decode step is a short list of launches that a CUDA graph
 replays. Same contract as kernels.py: Triton on a GPU or under TRITON_INTERPRET=1, or a clear error.
 """
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import FP8, Fp8Rows, quantize_fp8
 from kernels_base import INTERPRET, check_device, empty, pdl_args, prior_done
 from model import apply_rope
 from policy import NORM_ROUTE_TILE
 
 
-def rms_norm_ref(x, norm, residual=None):
-    """Twin of rms_norm: model.RMSNorm, after h = residual + x rounded to the model dtype."""
-    if residual is None:
-        return norm(x)
-    h = residual + x
-    return h, norm(h)
+def rms_norm_ref(x, norm, residual=None, fp8=False):
+    """Twin of rms_norm: model.RMSNorm, after h = residual + x rounded to the model dtype; fp8: the
+    normed rows as quantize_rows_ref makes them."""
+    h = x if residual is None else residual + x
+    y = norm(h)
+    if fp8:
+        y = quantize_rows_ref(y.reshape(-1, y.shape[-1]))
+    return y if residual is None else (h, y)
 
 
-def rms_norm(x, norm, residual=None):
-    """norm(x) in one kernel; with residual, (h, norm(h)) for h = residual + x, also in one kernel."""
+def rms_norm(x, norm, residual=None, fp8=False):
+    """norm(x) in one kernel; with residual, (h, norm(h)) for h = residual + x, also in one kernel.
+    fp8: norm(...) as Fp8Rows [B*T, D] (the input of kernels.scaled_mm), quantized in the same kernel."""
     check_device(x)
     D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()
-    y = empty(x2.shape, x2.dtype, x2.device)
-    h = empty(x2.shape, x2.dtype, x2.device) if residual is not None else y
+    M = x2.shape[0]
+    y = empty(x2.shape, FP8 if fp8 else x2.dtype, x2.device)
+    scale = empty((M,), torch.float32, x2.device) if fp8 else y
+    h = empty(x2.shape, x2.dtype, x2.device) if residual is not None else x2
     res = residual.reshape(-1, D).contiguous() if residual is not None else x2
     BD = triton.next_power_of_2(D)
-    _rms_norm_kernel[(x2.shape[0],)](x2, res, h, y, norm.weight, D, norm.eps, HAS_RES=residual is not None,
-                                     BD=BD, num_warps=8 if BD >= 2048 else 4, **pdl_args(x.device))
-    return y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
+    _rms_norm_kernel[(M,)](x2, res, h, y, scale, norm.weight, D, norm.eps, HAS_RES=residual is not None, FP8=fp8,
+                           BD=BD, num_warps=8 if BD >= 2048 else 4, **pdl_args(x.device))
+    y = Fp8Rows(y, scale) if fp8 else y.view(x.shape)
+    return y if residual is None else (h.view(x.shape), y)
 
 
 @triton.jit
-def _rms_norm_kernel(x, res, h_out, y, w, D, eps, HAS_RES: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+def _e4m3(v, ok):
+    """One row held in registers (fp32, masked by ok) as fp8: scale = max |v| / 448 (1 for a row of zeros)
+    and v / scale rounded to the nearest e4m3 value, ties to even, as an fp32 (quantize_fp8's rule). The
+    rounding is done here, in integer and fp32 arithmetic, so that the conversion to e4m3 that follows is
+    exact on every backend (the interpreter's own conversion rounds wrongly where the carry reaches the
+    exponent)."""
+    amax = tl.max(tl.where(ok, tl.abs(v), 0.0), 0)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+    b = q.to(tl.int32, bitcast=True)  # normal e4m3 values: keep 3 of fp32's 23 mantissa bits
+    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    tiny = (q + 24576.0) - 24576.0  # below 2^-6, e4m3's subnormals: multiples of 2^-9 (fp32's step at 1.5 * 2^14)
+    return tl.where(tl.abs(q) < 0.015625, tiny, normal), scale
+
+
+@triton.jit
+def _rms_norm_kernel(x, res, h_out, y, scale, w, D, eps, HAS_RES: tl.constexpr, FP8: tl.constexpr, BD: tl.constexpr,
+                     PDL: tl.constexpr):
     """One row per program: y = RMSNorm(x); with HAS_RES first h = res + x, rounded to the model
-    dtype as `x + a` is, and stored. Grid (rows,). Skips nothing. Twin: rms_norm_ref."""
+    dtype as `x + a` is, and stored. FP8: y gets the row's e4m3 codes and `scale` its scale. Grid (rows,).
+    Skips nothing. Twin: rms_norm_ref."""
     prior_done(PDL)
-    row = tl.program_id(0).to(tl.int64) * D
+    pid = tl.program_id(0)
+    row = pid.to(tl.int64) * D
     d = tl.arange(0, BD)
     ok = d < D
     h = tl.load(x + row + d, mask=ok, other=0.0)
@@ -54,7 +83,64 @@ def _rms_norm_kernel(x, res, h_out, y, w, D, eps, HAS_RES: tl.constexpr, BD: tl.
     hf = h.to(tl.float32)
     n = (hf * tl.rsqrt(tl.sum(hf * hf, 0) / D + eps)).to(h.dtype)
     wt = tl.load(w + d, mask=ok, other=0.0)
-    tl.store(y + row + d, (wt.to(tl.float32) * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
+    out = (wt.to(tl.float32) * n.to(tl.float32)).to(h.dtype)
+    if FP8:
+        q, s = _e4m3(out.to(tl.float32), ok)
+        tl.store(y + row + d, q.to(y.dtype.element_ty), mask=ok)
+        tl.store(scale + pid, s)
+    else:
+        tl.store(y + row + d, out, mask=ok)
+
+
+def quantize_rows_ref(x, swiglu=False, mask=None, group_size=0):
+    """Twin of quantize_rows: a = x, or F.silu(gate) * up; the pruned groups zeroed; quantize_fp8 per row."""
+    if swiglu:
+        g, u = x.chunk(2, dim=-1)
+        x = F.silu(g) * u
+    if mask is not None:
+        x = (x.view(x.shape[0], -1, group_size) * mask[..., None]).view(x.shape[0], -1)
+    return Fp8Rows(*quantize_fp8(x))
+
+
+def quantize_rows(x, swiglu=False, mask=None, group_size=0):
+    """x [M, K] -> Fp8Rows: each row's e4m3 codes and absmax scale (quantize_fp8's rule), one row per
+    program. swiglu: x is gate and up side by side [M, 2K] and the row is silu(gate) * up, rounded to x's
+    dtype as F.silu(g) * u is. mask [M, G] bool: group g's group_size channels zeroed where it is False
+    (before the scale is taken, so a pruned channel is an exact 0 code)."""
+    check_device(x)
+    assert x.dim() == 2 and x.stride(1) == 1, "rows with contiguous elements"
+    M, K = x.shape[0], x.shape[1] // (2 if swiglu else 1)
+    codes = empty((M, K), FP8, x.device)
+    scale = empty((M,), torch.float32, x.device)
+    BK = triton.next_power_of_2(K)
+    _quantize_rows_kernel[(M,)](x, codes, scale, x if mask is None else mask, K, x.stride(0),
+                                1 if mask is None else mask.shape[1], max(1, group_size), SWIGLU=swiglu,
+                                MASKED=mask is not None, BK=BK, num_warps=16 if BK >= 8192 else 4,
+                                **pdl_args(x.device))
+    return Fp8Rows(codes, scale)
+
+
+@triton.jit
+def _quantize_rows_kernel(x, codes, scale, mask, K, sx, G, GS, SWIGLU: tl.constexpr, MASKED: tl.constexpr,
+                          BK: tl.constexpr, PDL: tl.constexpr):
+    """One row per program: the row (x's, or silu(gate) * up from x's two halves), the pruned groups
+    zeroed, as e4m3 codes and a scale (_e4m3). Grid (rows,). Skips nothing. Twin: quantize_rows_ref."""
+    prior_done(PDL)
+    m = tl.program_id(0)
+    c = tl.arange(0, BK)
+    ok = c < K
+    run = ok
+    if MASKED:  # a pruned channel is not even loaded: it is 0
+        run = ok & (tl.load(mask + m * G + c // GS, mask=ok, other=0) != 0)
+    row = x + m.to(tl.int64) * sx
+    v = tl.load(row + c, mask=run, other=0.0)
+    if SWIGLU:
+        u = tl.load(row + K + c, mask=run, other=0.0)
+        g = v.to(tl.float32)
+        v = ((g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+    q, s = _e4m3(v.to(tl.float32), ok)
+    tl.store(codes + m.to(tl.int64) * K + c, q.to(codes.dtype.element_ty), mask=ok)
+    tl.store(scale + m, s)
 
 
 def rope_and_store_ref(q, k, v, step, k_dst, v_dst, H, Hkv, d):

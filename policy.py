@@ -36,8 +36,9 @@ class Shape(NamedTuple):
 class Op(NamedTuple):
     """One op of a step: `kind` is what the engine dispatches on, the rest is what it means."""
     kind: str              # e.g. "gemv", "tiles", "cublas" (see KINDS)
-    runs: str              # "Triton", "cuBLAS", "SDPA" or "torch"
-    weights: str = ""      # linears: "fp8" (the kernel reads e4m3 codes), "fp8 -> bf16" (dequantized), else the dtype
+    runs: str              # "Triton", "cuBLAS", "_scaled_mm" (torch's fp8 GEMM), "SDPA" or "torch"
+    weights: str = ""      # linears: "fp8" (the kernel reads e4m3 codes), "fp8 -> bf16" (dequantized), "fp8 x fp8"
+                           # (_scaled_mm: e4m3 codes times the input quantized per token), else the dtype
     kernels: tuple = ()    # the Triton kernels it launches, one launch each (names as tests record them)
 
 
@@ -46,16 +47,17 @@ KINDS = {
     "norm": "RMSNorm (rms_norm)",
     "norm_route": "RMSNorm + the router in one launch (norm_route), residual add fused",
     "norm_then_router": "RMSNorm (rms_norm), then the router module itself (two fp32 GEMMs)",
+    "norm_fp8": "RMSNorm (rms_norm), its output as per-token fp8 rows for _scaled_mm, in the same launch",
     "layout": "mask reordering: per group, its live tokens first (layout + work list)",
     "gemv": "the live groups' weight rows only (gemm_mn's decode GEMV, its live-group list); K and V as its dense tail; "
             "RoPE and the KV-cache write in its epilogue",
     "gemv_all": "every row as the dense tail of gemm_mn's decode GEMV (the dense model through WIDE's kernel); RoPE and "
                 "the KV-cache write in its epilogue",
     "tiles": "Q's live (group, token-tile) items only (gemm_mn, sorted tiles); K and V in one cuBLAS GEMM",
-    "cublas": "one cuBLAS GEMM (nothing routed here)",
-    "cublas_every_head": "one cuBLAS GEMM for every head's Q, K, V (attention reads the live groups' Q only)",
-    "cublas_masked_input": "one cuBLAS GEMM on the masked input (exact: the pruned slots are zero)",
-    "cublas_masked": "one cuBLAS GEMM, then the pruned channel groups zeroed (exact)",
+    "cublas": "one library GEMM (nothing routed here)",
+    "cublas_every_head": "one library GEMM for every head's Q, K, V (attention reads the live groups' Q only)",
+    "cublas_masked_input": "one library GEMM on the masked input (exact: the pruned slots are zero)",
+    "cublas_masked": "one library GEMM, then the pruned channel groups zeroed (exact)",
     "rope": "RoPE + KV-cache write (rope_and_store)",
     "decode_live": "per row, only the KV heads whose head group runs are read (attn_decode's work list)",
     "decode_every": "each row's cache up to its length, every head (attn_decode's work list)",
@@ -99,6 +101,12 @@ class Policy:
     # and gemm_k with every group live, as fp8 weights always do; 0 = cuBLAS. On the H200 that is the faster
     # dense decode at batch 1 (bench/e2e.py times both: results/e2e_h200.md, 'cublas linears').
     dense_gemv_max_tokens: int = 1
+    # fp8 weights: steps of at least this many tokens run the linears no WIDE kernel reads (the dense model's,
+    # and a routed linear's library paths) on fp8 tensor cores, torch._scaled_mm, with the input quantized per
+    # token in the step: weights and activations in e4m3 ("fp8 x fp8"), as stock fp8 serving runs. Shorter steps
+    # run the dense model's through WIDE's kernels with every group live on the weight codes (weights only).
+    # bench/e2e.py times the dense fp8 decode both ways (results/e2e_h200.md).
+    fp8_scaled_mm_min_tokens: int = 1
     router_max_tokens: int = 64            # longer steps run the router module itself (two fp32 GEMMs)
     dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
     # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa" (with
@@ -138,12 +146,30 @@ class Policy:
             ops["ffn_layout"] = Op("layout", "Triton", kernels=LAYOUT)  # gate+up's tiles read it
         ops["gate_up"] = gate_up
         ops["down"] = self.down_op(shape, ffn_router, w)
+        for norm, linear in (("attn_norm", "qkv"), ("ffn_norm", "gate_up")):
+            if ops[norm].kind == "norm" and ops[linear].weights == "fp8 x fp8":  # the norm quantizes the input
+                ops[norm] = Op("norm_fp8", "Triton", kernels=("rms_norm_kernel",))
+                ops[linear] = ops[linear]._replace(kernels=())
         return {name: ops[name] for name in LAYER_OPS if name in ops}
 
+    def scaled_mm(self, shape):
+        """Whether the step's library GEMMs run torch._scaled_mm on fp8 weights and per-token fp8 inputs (an
+        fp16 model's would be rounded through bf16: _scaled_mm's per-row scales give bf16 on a GPU)."""
+        return shape.fp8 and shape.tokens >= self.fp8_scaled_mm_min_tokens and shape.dtype != "fp16"
+
+    def library(self, kind, shape, w):
+        """An op on a library GEMM: cuBLAS on the model dtype (or the values fp8 codes stand for), or
+        torch._scaled_mm on the fp8 codes with the input quantized per token (quantize_rows: one launch)."""
+        if self.scaled_mm(shape):
+            return Op(kind, "_scaled_mm", "fp8 x fp8", ("quantize_rows_kernel",))
+        return Op(kind, "cuBLAS", w)
+
     def every_group_live(self, shape):
-        """Whether an op with no router runs WIDE's kernel with every group live: fp8 codes (only the kernels
-        read them), or a step small enough for the policy's dense_gemv_max_tokens."""
-        return reads_fp8(shape) or shape.tokens <= self.dense_gemv_max_tokens
+        """Whether an op with no router runs WIDE's kernel with every group live: fp8 codes in a step the
+        decode kernels take and _scaled_mm does not, or a step small enough for dense_gemv_max_tokens."""
+        if shape.fp8:
+            return reads_fp8(shape) and not self.scaled_mm(shape)
+        return shape.tokens <= self.dense_gemv_max_tokens
 
     def norm_op(self, shape, router):
         """RMSNorm, with the router's decision in the same launch where it is a wide.Router and the step short."""
@@ -159,9 +185,9 @@ class Policy:
         M = shape.tokens
         if router is None:
             return (Op("gemv_all", "Triton", w, ("gemv_mn_kernel",)) if self.every_group_live(shape)
-                    else Op("cublas", "cuBLAS", w))
+                    else self.library("cublas", shape, w))
         if not (M <= self.sparse_decode_max_tokens or M >= self.sparse_prefill_min_tokens or reads_fp8(shape)):
-            return Op("cublas_every_head", "cuBLAS", w)
+            return self.library("cublas_every_head", shape, w)
         if M <= GEMV_MAX_TOKENS:
             return Op("gemv", "Triton", w, ("gemv_mn_kernel",))
         return Op("tiles", "Triton + cuBLAS", w, ("gemm_mn_kernel",))
@@ -188,10 +214,10 @@ class Policy:
         and no 16-token tile of per-token masks shares a skipped group)."""
         if router is None:
             return (Op("gemm_k_all", "Triton", w, ("gemm_k_kernel",)) if self.every_group_live(shape)
-                    else Op("cublas", "cuBLAS", w))
-        if shape.tokens <= self.sparse_decode_max_tokens or self.every_group_live(shape):
+                    else self.library("cublas", shape, w))
+        if shape.tokens <= max(self.sparse_decode_max_tokens, self.dense_gemv_max_tokens) or reads_fp8(shape):
             return Op("gemm_k", "Triton", w, ("gemm_k_kernel",))
-        return Op("cublas_masked_input", "cuBLAS", w)
+        return self.library("cublas_masked_input", shape, w)
 
     def gate_up_op(self, shape, router, w):
         """gate+up with silu(gate)*up fused, as Q: the decode GEMV or gemm_mn's sorted tiles where skipping pays,
@@ -200,10 +226,10 @@ class Policy:
         M = shape.tokens
         if router is None:
             return (Op("gemv_fused_all", "Triton", w, ("gemv_mn_kernel",)) if self.every_group_live(shape)
-                    else Op("cublas", "cuBLAS", w))
+                    else self.library("cublas", shape, w))
         voted = shape.ffn_vote and M <= GEMV_MAX_TOKENS
         if not (M <= self.sparse_decode_max_tokens or M >= self.sparse_prefill_min_tokens or reads_fp8(shape) or voted):
-            return Op("cublas_masked", "cuBLAS", w)
+            return self.library("cublas_masked", shape, w)
         if M <= GEMV_MAX_TOKENS:
             return Op("gemv_fused", "Triton", w, ("gemv_mn_kernel",))
         return Op("tiles_fused", "Triton", w, ("gemm_mn_kernel",))
@@ -213,11 +239,11 @@ class Policy:
         decode size the GEMV takes), else cuBLAS on the masked input."""
         if router is None:
             return (Op("gemm_k_all", "Triton", w, ("gemm_k_kernel",)) if self.every_group_live(shape)
-                    else Op("cublas", "cuBLAS", w))
+                    else self.library("cublas", shape, w))
         voted = shape.ffn_vote and shape.tokens <= GEMV_MAX_TOKENS
         if shape.tokens <= self.sparse_decode_max_tokens or reads_fp8(shape) or voted:
             return Op("gemm_k", "Triton", w, ("gemm_k_kernel",))
-        return Op("cublas_masked_input", "cuBLAS", w)
+        return self.library("cublas_masked_input", shape, w)
 
 
 def reads_fp8(shape):
@@ -273,4 +299,5 @@ class Plan(NamedTuple):
 
 def op_line(name, op):
     weights = f" [{op.weights}]" if op.weights else ""
-    return f"    {NAMES[name]:<18} {op.runs:<14} {KINDS[op.kind]}{weights}"
+    quantized = "; its input as per-token fp8 rows (quantize_rows)" if "quantize_rows_kernel" in op.kernels else ""
+    return f"    {NAMES[name]:<18} {op.runs:<14} {KINDS[op.kind]}{quantized}{weights}"

@@ -184,10 +184,10 @@ def test_the_plan_names_every_op_it_sends_to_cublas():
     # The ops deliberately handed to cuBLAS (exact, because pruned slots are zero) are named in the plan.
     e = engine.Engine(wide_model())
     prefill, decode = e.step_plan(74, False).text(), e.step_plan(5, True).text()
-    assert "O proj             cuBLAS         one cuBLAS GEMM on the masked input" in prefill
-    assert "O proj             cuBLAS         one cuBLAS GEMM on the masked input" in decode  # 5 > 4 tokens
+    assert "O proj             cuBLAS         one library GEMM on the masked input" in prefill
+    assert "O proj             cuBLAS         one library GEMM on the masked input" in decode  # 5 > 4 tokens
     # and the batch rule (wide.FFNRule): 5 rows > 4, the FFN runs dense, its routers not asked
-    assert "down proj          cuBLAS         one cuBLAS GEMM (nothing routed here)" in decode and "batch rule" in decode
+    assert "down proj          cuBLAS         one library GEMM (nothing routed here)" in decode and "batch rule" in decode
     assert "lm_head            cuBLAS" in prefill and "lm_head            cuBLAS" in decode
 
 

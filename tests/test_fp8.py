@@ -14,9 +14,10 @@ import torch
 import engine
 import kernels
 import kernels_base
+import kernels_step
 from conftest import assert_close as _assert_close
 from generate import generate
-from policy import GEMV_MAX_TOKENS
+from policy import GEMV_MAX_TOKENS, Policy
 from test_e2e import DEV, assert_same_masks, wide_model
 
 
@@ -127,16 +128,81 @@ def test_fp8_gemm_k_matches_the_dequantized_twin_with_the_residual(launches, M, 
     assert consts["BM"] == (1 if fma and M == 1 else kernels_base.CONFIGS[small if M <= GEMV_MAX_TOKENS else "gemm_k"]["BM"])
 
 
-# ---------------------------------------------------------------------------------- the engine
-def dequantized_copy(m):
-    """The torch model whose prunable weights (q, k, v, o, gate, up, down) are their fp8 values."""
-    ref = copy.deepcopy(m)
+# ---------------------------------------------------------------------------------- fp8 activations
+def test_the_kernels_e4m3_rounding_is_to_nearest_even_for_every_value_and_every_midpoint():
+    # Every non-negative e4m3 value, and every midpoint between neighbours (the ties), both signs: a row whose
+    # absmax is 448 has scale 1, so its codes are the values rounded. They must be torch's cast, ties to even.
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448, NaN excluded
+    mids = (grid[1:] + grid[:-1]) / 2
+    quarter = grid[:-1] + (grid[1:] - grid[:-1]) / 4  # and a point either side of each midpoint
+    row = torch.cat([grid, mids, quarter, mids + (grid[1:] - grid[:-1]) / 4])
+    x = torch.stack([row, -row]).to(DEV)
+    got = kernels_step.quantize_rows(x)
+    assert got.scale.tolist() == [1.0, 1.0]
+    assert torch.equal(got.codes.float(), x.to(torch.float8_e4m3fn).float())
+
+
+def poisoned(*shape, gen, scales=None):
+    x = torch.randn(*shape, generator=gen)
+    return (x if scales is None else x * scales[:, None]).to(DEV)
+
+
+@pytest.mark.parametrize("M, K", [(1, 64), (5, 100), (3, 300)])  # K: a power of two or not
+@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+@pytest.mark.parametrize("p_on", [None, 0.0, 0.5, 1.0], ids=["no mask", "all off", "half", "all on"])
+def test_quantize_rows_matches_its_twin_per_token_codes_and_scales(launches, M, K, swiglu, p_on):
+    gen = torch.Generator().manual_seed(M * K)
+    scales = torch.logspace(-6, 1 if swiglu else 3, M)  # rows of very different sizes: each gets its own scale
+    x = poisoned(M, 2 * K if swiglu else K, gen=gen, scales=scales)
+    if M > 1:
+        x[1] = 0  # a row of zeros: scale 1, codes 0
+    gs = 4 if K % 4 == 0 else K
+    mask = None if p_on is None else mask_of(M, K // gs, p_on, gen)
+    got = kernels_step.quantize_rows(x, swiglu, mask, gs if mask is not None else 0)
+    want = kernels_step.quantize_rows_ref(x, swiglu, mask, gs)
+    assert got.codes.dtype == torch.float8_e4m3fn and got.codes.shape == (M, K) and got.scale.shape == (M,)
+    assert torch.equal(got.codes.float(), want.codes.float()), "codes differ (or were never written: NaN)"
+    _assert_close(got.scale, want.scale, rtol=1e-6, what="scales")
+    if mask is not None:
+        assert (got.codes.float()[~mask.repeat_interleave(gs, 1)] == 0).all(), "a pruned channel's code is 0"
+    assert launches.count("quantize_rows_kernel") == 1
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("M", [1, 6])
+def test_rms_norm_with_fp8_output_is_the_norm_then_quantize_rows(residual, M):
+    from model import RMSNorm
+    gen = torch.Generator().manual_seed(M)
+    D = 96
+    norm = RMSNorm(D, 1e-5).to(DEV)
     with torch.no_grad():
-        for layer in ref.layers:
-            a, f = layer.self_attn, layer.mlp
-            for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.gate_proj, f.up_proj, f.down_proj):
-                lin.weight.copy_(kernels.dequantize_fp8(*kernels.quantize_fp8(lin.weight), lin.weight.dtype))
-    return ref
+        norm.weight.copy_(torch.randn(D, generator=gen))
+    x, res = poisoned(2, M, D, gen=gen), poisoned(2, M, D, gen=gen) if residual else None
+    got = kernels_step.rms_norm(x, norm, res, fp8=True)
+    want = kernels_step.rms_norm_ref(x, norm, res, fp8=True)
+    if residual:
+        assert torch.equal(got[0], want[0])
+        got, want = got[1], want[1]
+    assert torch.equal(got.codes.float(), want.codes.float()) and got.codes.shape == (2 * M, D)
+    _assert_close(got.scale, want.scale, rtol=1e-6, what="scales")
+
+
+@pytest.mark.parametrize("M", [1, 7, 32])
+def test_scaled_mm_is_the_codes_product_times_both_scales(M):
+    # kernels.scaled_mm (torch._scaled_mm) against an fp64 product of the codes and the two scales
+    gen = torch.Generator().manual_seed(M)
+    a = kernels_step.quantize_rows_ref(poisoned(M, 64, gen=gen, scales=torch.logspace(-2, 2, M)))
+    w, s = fp8_weight(48, 64, gen)
+    want = (a.codes.double() @ w.double().t()) * a.scale.double()[:, None] * s.double()[None, :]
+    _assert_close(kernels.scaled_mm(a, w, s, torch.float32), want, rtol=1e-6, what="scaled_mm")
+    _assert_close(kernels.scaled_mm_ref(a, w, s, torch.float32), want, rtol=1e-6, what="its twin")
+
+
+# ---------------------------------------------------------------------------------- the engine
+def dequantized_copy(m, activations=False):
+    """The torch model whose prunable weights (q, k, v, o, gate, up, down) are their fp8 values; activations:
+    whose linears also quantize their inputs per token (engine.fp8_model)."""
+    return engine.fp8_model(copy.deepcopy(m), activations)
 
 
 def greedy(f, idx, n):
@@ -147,29 +213,41 @@ def greedy(f, idx, n):
     return out, steps
 
 
-FP8_KERNELS = ("gemv_mn_kernel", "gemm_k_kernel")
+WEIGHTS_ONLY = Policy(fp8_scaled_mm_min_tokens=10 ** 9)  # never _scaled_mm: the decode kernels read the codes
 
 
-@pytest.mark.parametrize("routers", [True, False], ids=["wide", "dense"])
-def test_fp8_engine_generates_exactly_as_the_dequantized_torch_model(launches, routers):
+@pytest.mark.parametrize("routers, pol", [(True, None), (False, WEIGHTS_ONLY), (False, None)],
+                         ids=["wide", "dense, WIDE kernels", "dense, scaled_mm"])
+def test_fp8_engine_generates_exactly_as_the_dequantized_torch_model(launches, routers, pol):
+    # WIDE's steps of this prompt are all decode-sized: the kernels read the weight codes (weights only). The
+    # dense model runs WIDE's kernels the same way, or, by default, _scaled_mm on fp8 weights and per-token fp8
+    # inputs: then its twin is the model whose linears quantize their inputs too.
     m = wide_model(routers=routers)
-    ref_model = dequantized_copy(m)
+    scaled = not routers and pol is None
+    ref_model = dequantized_copy(m, activations=scaled)
     idx = torch.tensor([[5, 17, 3, 44, 9]], device=DEV)
     with torch.no_grad():
         ref, ref_steps = greedy(ref_model, idx, 10)
         launches.clear()
-        e = engine.Engine(m, weights="fp8")
+        e = engine.Engine(m, pol, weights="fp8")
         out, out_steps = greedy(e, idx, 10)
     assert torch.equal(out, ref), f"\n{ref.tolist()}\n{out.tolist()}"
     for a, b in zip(ref_steps, out_steps):
         assert_same_masks(a, b)
-    for name in FP8_KERNELS:  # every linear of every decode step: Q+K+V, gate+up (GEMV), O, down
+    # every linear of every decode step: Q+K+V, gate+up (GEMV), O, down; or the quantizations of _scaled_mm's
+    # inputs: the two norms, then O's and down's
+    for name in ("rms_norm_kernel", "quantize_rows_kernel") if scaled else ("gemv_mn_kernel", "gemm_k_kernel"):
         assert launches.count(name) >= 9 * 2 * len(m.layers), f"{name}: the fp8 decode kernels did not run"
+    if scaled:
+        assert not launches.count("gemv_mn_kernel") and not launches.count("gemm_k_kernel")
+        quantizing = sum(c["FP8"] for c in launches.constants["rms_norm_kernel"])  # per step: 2 a layer, the final one not
+        assert quantizing == 2 * len(m.layers) * (launches.count("rms_norm_kernel") - quantizing)
     # and the weights they read were the fp8 codes, not the model's own
     assert all(w.dtype == torch.float8_e4m3fn for d in e.fp8.values() for w, _ in d.values())
 
 
 def test_fp8_engine_logits_match_the_dequantized_model_for_prefill_and_batched_decode():
+    # weights only: the prefill on the values the codes stand for, the decode steps on the codes
     m = wide_model()
     ref_model = dequantized_copy(m)
     idx = torch.randint(0, 96, (3, 20), generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -183,8 +261,29 @@ def test_fp8_engine_logits_match_the_dequantized_model_for_prefill_and_batched_d
         return torch.cat(out, 1)
 
     with torch.no_grad():
-        ref, out = steps(ref_model), steps(engine.Engine(m, weights="fp8"))
+        ref, out = steps(ref_model), steps(engine.Engine(m, WEIGHTS_ONLY, weights="fp8"))
     _assert_close(out, ref, rtol=1e-5, what="logits")
+
+
+@pytest.mark.parametrize("routers", [True, False], ids=["wide", "dense"])
+def test_an_fp8_prefill_on_scaled_mm_matches_the_model_that_quantizes_its_inputs(launches, routers):
+    # A 3 x 20 token prefill: past the decode kernels, the library GEMMs run _scaled_mm on fp8 weights and
+    # per-token fp8 inputs (the norm, or quantize_rows, makes them; down's forms silu(gate) * up and, routed,
+    # zeroes the pruned groups), as the model whose linears quantize their inputs computes.
+    m = wide_model(routers=routers)
+    ref_model = dequantized_copy(m, activations=True)
+    idx = torch.randint(0, 96, (3, 20), generator=torch.Generator().manual_seed(2)).to(DEV)
+    with torch.no_grad():
+        ref_masks, masks = {}, {}
+        ref = ref_model(idx, masks=ref_masks)
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        launches.clear()
+        out = engine.Engine(m, weights="fp8")(idx, masks=masks)
+    _assert_close(out, ref, rtol=1e-5, what="logits")
+    assert_same_masks(ref_masks, masks)
+    assert launches.count("quantize_rows_kernel") == 2 * len(m.layers) * (2 if routers else 1)
+    assert sum(c["SWIGLU"] for c in launches.constants["quantize_rows_kernel"]) == len(m.layers)
+    assert not launches.count("gemv_mn_kernel") and not launches.count("gemm_k_kernel")
 
 
 def test_weights_other_than_bf16_and_fp8_are_refused_and_fp8_is_described():
@@ -194,7 +293,8 @@ def test_weights_other_than_bf16_and_fp8_are_refused_and_fp8_is_described():
     assert isinstance(engine.select(m, "triton", weights="fp8"), engine.Engine)
     e = engine.Engine(m, weights="fp8")
     decode, prefill = e.step_plan(1, True).text(), e.step_plan(64, False).text()
-    assert "[fp8]" in decode and "[fp8]" not in prefill and "[fp8 -> fp32]" in prefill and "lm_head" in decode
+    assert "[fp8]" in decode and "[fp8]" not in prefill and "[fp8 x fp8]" in prefill and "lm_head" in decode
+    assert "[fp8 -> fp32]" in engine.Engine(m, WEIGHTS_ONLY, weights="fp8").step_plan(64, False).text()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -211,3 +311,36 @@ def test_fp8_decode_kernels_on_the_gpu_in_bf16(M):
     res = torch.randn(M, N, generator=gen).to(DEV, torch.bfloat16)
     out = kernels.gemm_k(h, wd, mask, gs, residual=res, w_scale=sd)
     _assert_close(out, kernels.gemm_k_ref(h, wd, mask, gs, residual=res, w_scale=sd), rtol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 5, 64])
+def test_fp8_activations_and_scaled_mm_on_the_gpu_in_bf16(M):
+    # Compiled, in bf16: quantize_rows (SwiGLU and a mask; sigmoid's exp may differ from torch's in the last
+    # bit, so a code may move by one step), rms_norm's fp8 output, and _scaled_mm against its twin.
+    gen = torch.Generator().manual_seed(M)
+    K, G, N = 4096, 32, 1024
+    gu = torch.randn(M, 2 * K, generator=gen).to(DEV, torch.bfloat16)
+    mask = mask_of(M, G, 0.5, gen)
+    got, want = kernels_step.quantize_rows(gu, True, mask, K // G), kernels_step.quantize_rows_ref(gu, True, mask, K // G)
+    differ = got.codes.float() != want.codes.float()
+    assert differ.float().mean() < 1e-3, "codes: more than a rounding tie's worth differ"
+    _assert_close(got.scale, want.scale, rtol=1e-3, what="scales")
+    from model import RMSNorm
+    norm = RMSNorm(K, 1e-5).to(DEV, torch.bfloat16)
+    x = torch.randn(M, K, generator=gen).to(DEV, torch.bfloat16)
+    a, ref = kernels_step.rms_norm(x, norm, fp8=True), kernels_step.rms_norm_ref(x, norm, fp8=True)
+    assert (a.codes.float() != ref.codes.float()).float().mean() < 1e-3
+    w, s = fp8_weight(N, K, gen)
+    _assert_close(kernels.scaled_mm(a, w, s, torch.bfloat16), kernels.scaled_mm_ref(a, w, s, torch.bfloat16), rtol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_dense_fp8_engine_on_the_gpu_follows_the_model_that_quantizes_its_inputs():
+    m = wide_model(routers=False, dtype=torch.bfloat16)
+    ref_model = dequantized_copy(m, activations=True)
+    idx = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(3)).to(DEV)
+    with torch.no_grad():
+        ref = ref_model(idx)
+        out = engine.Engine(m, weights="fp8")(idx)
+    _assert_close(out, ref[0] if isinstance(ref, tuple) else ref, rtol=2e-2, what="logits")

@@ -30,7 +30,8 @@ SHAPES = {  # name -> (routers, weights, batch, tokens per row, chunk start or N
     "dense decode B1, cuBLAS linears": (False, "bf16", 1, 1, None),
     "dense later chunk": (False, "bf16", 2, 24, 40),
     "fp8 decode B1": (True, "fp8", 1, 1, None),
-    "fp8 dense decode B8": (False, "fp8", 8, 1, None),
+    "fp8 dense decode B8": (False, "fp8", 8, 1, None),  # _scaled_mm, the norms quantize its inputs
+    "fp8 dense decode B8, WIDE kernels": (False, "fp8", 8, 1, None),  # Policy.fp8_scaled_mm_min_tokens above it
     "fp8 prefill": (True, "fp8", 2, 24, 0),
 }
 
@@ -56,6 +57,8 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
     if "rule off" in name or "all sparse" in name:  # routed FFN at more than 4 rows (wide.FFNRule)
         m.ffn_rule = FFNRule(max_rows=None)
     pol = ALL_SPARSE if "all sparse" in name else Policy(dense_gemv_max_tokens=0) if "cuBLAS" in name else None
+    if "WIDE kernels" in name:
+        pol = Policy(fp8_scaled_mm_min_tokens=10 ** 9)
     if "threshold" in name:  # at the default 1024 tokens the interpreter takes much longer for the same plan
         pol = Policy(sparse_prefill_min_tokens=B * T)
     e = engine.Engine(m, pol, weights)
@@ -77,7 +80,8 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
                 "dense decode B1, cuBLAS linears": {"cublas", "decode_every", "norm"},
                 "dense later chunk": {"cublas", "prefill_every"},
                 "fp8 decode B1": {"gemv", "gemv_fused", "gemm_k"},
-                "fp8 dense decode B8": {"gemv_all", "gemv_fused_all", "gemm_k_all", "decode_every"},
+                "fp8 dense decode B8": {"norm_fp8", "cublas", "decode_every"},
+                "fp8 dense decode B8, WIDE kernels": {"gemv_all", "gemv_fused_all", "gemm_k_all", "decode_every"},
                 "fp8 prefill": {"cublas_every_head", "prefill_live"}}[name]
     assert expected <= kinds, f"{name}: {kinds}"
     if name == "decode B8":  # the FFN routers are not asked at all: no mask, no masked GEMM
@@ -137,11 +141,39 @@ def test_the_engine_follows_the_batch_rule_of_its_model(limit, one_thread):
 
 
 def test_an_fp8_step_reads_codes_only_where_the_plan_says():
-    p = policy.Policy()
+    # Routed linears: the decode kernels read the codes up to GEMV_MAX_TOKENS; beyond, the library GEMMs run
+    # _scaled_mm on the codes and per-token fp8 inputs, and gemm_mn's sorted tiles the values the codes stand for.
     routers = [("wide", "wide")]
-    for tokens, want in ((1, "fp8"), (16, "fp8"), (17, "fp8 -> bf16"), (4096, "fp8 -> bf16")):
-        ops = p.plan(policy.Shape(tokens, tokens <= 16, dtype="bf16", fp8=True), routers).layers[0]
-        assert {ops[k].weights for k in ("qkv", "o", "gate_up", "down")} == {want}, tokens
+    weights = lambda p, tokens: {k: op.weights for k, op in p.plan(
+        policy.Shape(tokens, tokens <= 16, dtype="bf16", fp8=True), routers).layers[0].items() if op.weights}
+    for tokens, want in ((1, "fp8"), (16, "fp8"), (17, "fp8 x fp8")):
+        assert set(weights(policy.Policy(), tokens).values()) == {want}, tokens
+    assert weights(policy.Policy(), 4096) == dict(qkv="fp8 -> bf16", o="fp8 x fp8", gate_up="fp8 -> bf16", down="fp8 x fp8")
+    never = policy.Policy(fp8_scaled_mm_min_tokens=10 ** 9)  # the weights-only engine: dequantized past 16 tokens
+    for tokens, want in ((16, "fp8"), (17, "fp8 -> bf16"), (4096, "fp8 -> bf16")):
+        assert set(weights(never, tokens).values()) == {want}, tokens
+    # an fp16 model's GEMMs never take _scaled_mm (its per-row scales give bf16 on a GPU)
+    assert "fp8 x fp8" not in policy.Policy().plan(policy.Shape(64, False, dtype="fp16", fp8=True), routers).text()
+
+
+def test_the_dense_fp8_linears_run_scaled_mm_from_the_policys_threshold():
+    # The dense model's fp8 linears: _scaled_mm from fp8_scaled_mm_min_tokens, WIDE's kernels with every group
+    # live on the codes below it; the norms quantize _scaled_mm's input (Q, K, V; gate + up) in their launch,
+    # O and down quantize theirs (down's forms silu(gate) * up as it does).
+    dense = [(None, None)]
+    ops = lambda p, M: p.plan(policy.Shape(M, True, dtype="bf16", fp8=True), dense).layers[0]
+    for M in (1, 8, 16):
+        got = ops(policy.Policy(), M)
+        assert {k: (op.kind, op.runs, op.weights, op.kernels) for k, op in got.items() if k != "attention"} == {
+            "attn_norm": ("norm_fp8", "Triton", "", ("rms_norm_kernel",)),
+            "qkv": ("cublas", "_scaled_mm", "fp8 x fp8", ()), "rope": ("rope", "Triton", "", ("rope_kernel",)),
+            "o": ("cublas", "_scaled_mm", "fp8 x fp8", ("quantize_rows_kernel",)),
+            "ffn_norm": ("norm_fp8", "Triton", "", ("rms_norm_kernel",)),
+            "gate_up": ("cublas", "_scaled_mm", "fp8 x fp8", ()),
+            "down": ("cublas", "_scaled_mm", "fp8 x fp8", ("quantize_rows_kernel",))}, M
+    p4 = policy.Policy(fp8_scaled_mm_min_tokens=4)
+    assert {op.kind for op in ops(p4, 3).values()} >= {"norm", "gemv_all", "gemv_fused_all", "gemm_k_all"}
+    assert ops(p4, 4)["qkv"].runs == "_scaled_mm"
 
 
 def test_the_thresholds_move_ops_between_triton_and_cublas():
@@ -192,13 +224,13 @@ def test_the_printed_plan_names_every_op_where_it_runs():
     assert prefill.startswith("a prefill of 74 tokens, fp32 weights:")
     for name in ("Q, K, V", "attention", "O proj", "gate + up", "down proj", "lm_head"):
         assert name in prefill and name in decode
-    assert "cuBLAS         one cuBLAS GEMM on the masked input" in prefill  # O and down at 74 tokens
+    assert "cuBLAS         one library GEMM on the masked input" in prefill  # O and down at 74 tokens
     assert "gemm_mn's decode GEMV, its live-group list" in decode and "router's live list" in decode and "only the KV heads whose head group runs" in decode
     assert "RoPE and the KV-cache write in its epilogue" in decode and "RoPE + cache" in prefill  # one launch fewer
     dense8 = engine.Engine(wide_model(routers=False)).step_plan(8, True)  # no FFN router: no rule to print
     assert not dense8.shape.dense_ffn and "batch rule" not in dense8.text()
     fp8 = engine.Engine(wide_model(routers=False), weights="fp8").step_plan(1, True).text()
-    assert "fp8 weights for the prunable linears" in fp8 and "[fp8]" in fp8 and "lm_head" in fp8
+    assert "fp8 weights for the prunable linears" in fp8 and "[fp8 x fp8]" in fp8 and "lm_head" in fp8
 
 
 @pytest.mark.parametrize("k", [2, 5])

@@ -28,6 +28,8 @@ What is pinned (GS = 16 channels per group; "live" = some token of the step, or 
       (b, KV head) are read up to the last active token of its query heads, and not at all if none is.
   attention_decode: K/V[b, KV head, pos] is read once if some query head of that KV head runs and
       pos < kv_len[b], else never; an inactive query head's q is never read.
+  quantize_rows (an fp8 input for _scaled_mm, SwiGLU and the mask fused): a pruned channel's gate and up
+      are never read.
 fp8 weights (quantize_fp8 codes + w_scale) go through the same checks: the decode kernels read the codes;
 gemm_mn's token tiles read the dequantized copy the op makes (the recorder follows the kernel's argument).
 What the kernels write is test_kernels.py's business; here only what they read.
@@ -343,3 +345,16 @@ def test_decode_attention_never_reads_the_kv_cache_of_a_kv_head_whose_query_head
             f"{name}: each cached position of a running KV head exactly once, nothing else"
     q_read = rec.reads("_attn_decode_kernel", "q").sum(-1)[:, :, 0] > 0
     assert torch.equal(q_read, active), "an inactive query head's q is never read"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("M", [1, 5])
+def test_quantize_rows_never_reads_the_gate_or_up_of_a_pruned_channel(kind, M):
+    # down's fp8 input on the library path (a routed FFN past the decode kernels): silu(gate) * up of the
+    # channels the token runs, each read once; a pruned channel is a 0 code without a load.
+    G, K = 4, 4 * GS
+    mask = step_mask(kind, M, G)
+    with recorded_loads() as rec:
+        kernels_step.quantize_rows(randn(M, 2 * K), swiglu=True, mask=mask, group_size=GS)
+    runs = mask.repeat_interleave(GS, 1).long()  # [M, K]
+    assert torch.equal(rec.reads("_quantize_rows_kernel", "x"), torch.cat([runs, runs], 1))
