@@ -27,9 +27,9 @@ import baselines
 import cli
 import data
 import dial
-import kernels
 import wide
 from checkpoints import load_dialled, load_wide, router_checkpoints
+from engine import fp8_model
 
 DIAL_RULE = inspect.signature(load_dialled).parameters["rule"].default  # the rule generate.py's dial uses
 from model import Transformer, load_tokenizer
@@ -113,37 +113,26 @@ def dial_rows(args, x, y, path, targets, rules, method):
     return rows
 
 
-@torch.no_grad()
-def round_to_fp8(model):
-    """Replace the prunable linears' weights by the values their fp8 codes stand for, in place: the
-    model Engine(weights="fp8") computes (activations and routers stay as they are)."""
-    for layer in model.layers:
-        a, f = layer.self_attn, layer.mlp
-        for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.gate_proj, f.up_proj, f.down_proj):
-            lin.weight.copy_(kernels.dequantize_fp8(*kernels.quantize_fp8(lin.weight), lin.weight.dtype))
-    return model
-
-
-def fp8_rows(args, x, y, dense_ppl):
-    """Dense and WIDE stage 2 at 0.5, each in its own dtype and with fp8 weights."""
+def fp8_rows(args, x, y):
+    """Dense and WIDE stage 2 at 0.5, each in its own dtype and in both fp8 schemes (engine.fp8_model): "fp8",
+    weights only; "w8a8", weights and each token's input to a linear."""
     rows = []
     loaders = [("dense", lambda: (base_model(args), None))]
     if os.path.isfile(os.path.join(args.dial_from, "wide.json")):
         loaders.append(("wide", lambda: load_wide(args.dial_from, device=args.device)))
     for method, load in loaders:
-        r = {}
-        for weights in ("model", "fp8"):
+        r = dict(method=method, checkpoint=args.dial_from if method == "wide" else "base")
+        for activations, prefix in ((None, ""), (False, "fp8_"), (True, "w8a8_")):
             model, wcfg = load()
-            dtype = str(next(model.parameters()).dtype)[6:]
-            ppl, rates = score(model if weights == "model" else round_to_fp8(model), x, y, args)
-            r[weights] = dict(val_ppl=round(ppl, 3), realized=round(sum(
-                sum(v) / len(v) for v in rates.values()) / max(1, len(rates)), 4))
-        rows.append(dict(method=method, checkpoint=args.dial_from if method == "wide" else "base", dtype=dtype,
-                         val_ppl=r["model"]["val_ppl"], fp8_val_ppl=r["fp8"]["val_ppl"],
-                         fp8_vs_model=round(r["fp8"]["val_ppl"] / r["model"]["val_ppl"], 4),
-                         realized=r["model"]["realized"], fp8_realized=r["fp8"]["realized"]))
-        print(f"{method} with fp8 weights: ppl {rows[-1]['fp8_val_ppl']:.2f} ({dtype}: {rows[-1]['val_ppl']:.2f})",
-              flush=True)
+            r["dtype"] = str(next(model.parameters()).dtype)[6:]
+            ppl, rates = score(model if activations is None else fp8_model(model, activations), x, y, args)
+            r[prefix + "val_ppl"] = round(ppl, 3)
+            r[prefix + "realized"] = round(sum(sum(v) / len(v) for v in rates.values()) / max(1, len(rates)), 4)
+            if prefix:
+                r[prefix + "vs_model"] = round(r[prefix + "val_ppl"] / r["val_ppl"], 4)
+        rows.append(r)
+        print(f"{method}: ppl {r['dtype']} {r['val_ppl']:.2f}, fp8 weights {r['fp8_val_ppl']:.2f}, fp8 weights and "
+              f"activations {r['w8a8_val_ppl']:.2f}", flush=True)
     return rows
 
 
@@ -333,8 +322,7 @@ def parser():
     p.add_argument("--dial", type=cli.fraction(), nargs="*", default=[0.25, 0.4, 0.6, 0.75],
                    help="sparsities to dial it to")
     p.add_argument("--dial-rules", nargs="+", choices=dial.RULES, default=[DIAL_RULE, "shift"],
-                   help="how the dial moves each router's rate (dial.calibrate; default: keep_power, then shift "
-                        "for comparison)")
+                   help="how the dial moves each router's rate (dial.calibrate; default: keep_power, then shift)")
     p.add_argument("--no-plot", action="store_true", help="skip the plot (results/quality.png)")
     p.add_argument("--no-baselines", action="store_true", help="router rows only (no static width, TEAL, matching)")
     p.add_argument("--shared-batch", type=count, nargs="*", default=[8, 16], help="decode batch sizes for the "
@@ -353,7 +341,9 @@ def parser():
     p.add_argument("--matched-stages", type=cli.integer(1, 2), nargs="+", default=[2],
                    help="the trained WIDE stages that get matched-FLOP rows (dial rows always do)")
     p.add_argument("--no-serving", action="store_true", help="no serving rows (RESULTS/NAME_serving.*)")
-    p.add_argument("--no-fp8", action="store_true", help="no fp8-weight rows")
+    p.add_argument("--no-fp8", action="store_true", help="no fp8 rows")
+    p.add_argument("--fp8-only", action="store_true", help="only results/NAME_fp8.* (dense and WIDE stage 2 at 0.5 "
+                   "in both fp8 schemes), the quality table untouched")
     return p
 
 
@@ -413,20 +403,21 @@ def main(argv=None):
 def evaluate(args):
     cfg = Transformer.config_from_dir(os.path.join(args.out_dir, "base"))  # no trained model yet: one clear line
     x, y, calib = texts(args)
-
     dense_ppl, _ = score(base_model(args), x, y, args)
     print(f"dense: ppl {dense_ppl:.2f} over {y.numel()} held-out tokens", flush=True)
-    meta = dict(date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
-                device=args.device, torch=torch.__version__, held_out_plays=list(data.HELD_OUT),
-                held_out_tokens=y.numel(), block_size=args.block_size)
-    if args.bf16:
-        meta["precision"] = "bf16 autocast"
+    meta = dict(date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv), device=args.device,
+                torch=torch.__version__, held_out_plays=list(data.HELD_OUT), held_out_tokens=y.numel(),
+                block_size=args.block_size, **({"precision": "bf16 autocast"} if args.bf16 else {}))
     os.makedirs(args.results, exist_ok=True)
-    if not args.no_serving:
+    if not (args.no_serving or args.fp8_only):
         serving = serving_rows(args, x, y, dense_ppl)
         save_results(os.path.join(args.results, args.name + "_serving"), dict(meta, rows=serving), serving_markdown(serving, meta))
     if args.serving_only:
         return
+    if args.fp8_only:
+        fp8 = fp8_rows(args, x, y)
+        return save_results(os.path.join(args.results, args.name + "_fp8"), dict(meta, fp8=fp8),
+                            "\n".join(title(meta) + fp8_markdown(fp8)[1:]) + "\n")
     trained, group_cfg = router_rows(args, x, y)
     # the default rule's dial rows are "wide dial"; another rule's "wide dial (RULE)"
     wide_dial = dial_rows(args, x, y, args.dial_from, args.dial, args.dial_rules,
@@ -456,10 +447,8 @@ def evaluate(args):
                              lambda t: baseline("teal", t), steps, cfg)
                for w in rows if not args.no_baselines and (w["method"] == "wide dial" or (
                    w["method"] == "wide" and w["stage"] in args.matched_stages))]
-
-    fp8 = [] if args.no_fp8 else fp8_rows(args, x, y, dense_ppl)
+    fp8 = [] if args.no_fp8 else fp8_rows(args, x, y)
     batch_shared = shared_rows(args, x, y)
-
     extra_static_teal = sorted(cache.values(), key=lambda r: (r["method"], r["target_sparsity"]))
     md = markdown(rows, matched, dense_ppl, meta, fp8, batch_shared)
     save_results(os.path.join(args.results, args.name), dict(
@@ -483,16 +472,36 @@ def target_label(r):
     return f"{r['target_sparsity']:g}"
 
 
+def title(meta):
+    return [f"# Held-out perplexity ({', '.join(p.split('/')[1][:-3] for p in meta['held_out_plays'])}; "
+            f"{meta['held_out_tokens']} tokens, windows of {meta['block_size']})", "",
+            f"`{meta['command']}` on {meta['device']}" + (f" in {meta['precision']}" if "precision" in meta else "")
+            + f", torch {meta['torch']}, {meta['date']}."]
+
+
+def fp8_markdown(fp8):
+    out = ["", "fp8 (e4m3, one scale per output channel, on q, k, v, o, gate, up, down; embeddings, head and routers "
+           "unchanged), the two schemes `generate.py --weights fp8` runs (engine.fp8_model computes each): weights "
+           "only, where WIDE's decode kernels read the codes; weights and activations, each token's input to a "
+           "linear quantized with its own scale, where torch._scaled_mm runs them (the dense model's linears, and "
+           "an fp8 engine's library GEMMs). Target: within 1% of the model's own dtype.", "",
+           "| model | dtype | val ppl | fp8 weights | / dtype | fp8 weights and activations | / dtype | "
+           "realized sparsity (dtype / fp8 / both) |", "|---|---|---|---|---|---|---|---|"]
+    for r in fp8:
+        name = "dense" if r["method"] == "dense" else f"WIDE stage 2 ({r['checkpoint']})"
+        out.append(f"| {name} | {r['dtype']} | {r['val_ppl']:.2f} | {r['fp8_val_ppl']:.2f} | {r['fp8_vs_model']:.4f} | "
+                   f"{r['w8a8_val_ppl']:.2f} | {r['w8a8_vs_model']:.4f} | {r['realized']:.1%} / "
+                   f"{r['fp8_realized']:.1%} / {r['w8a8_realized']:.1%} |")
+    return out
+
+
 def markdown(rows, matched, dense_ppl, meta, fp8=(), batch_shared=()):
-    out = [f"# Held-out perplexity ({', '.join(p.split('/')[1][:-3] for p in meta['held_out_plays'])}; "
-           f"{meta['held_out_tokens']} tokens, windows of {meta['block_size']})", "",
-           f"`{meta['command']}` on {meta['device']}" + (f" in {meta['precision']}" if "precision" in meta else "")
-           + f", torch {meta['torch']}, {meta['date']}. Sparsities and FLOPs "
-           "are what the routers (or thresholds) realized on the held-out text; `realized - target` compares the "
-           "mean of attention and FFN skip rates with the target. `wide dial` rows are the stage-2 routers "
-           "trained at the `from` target, dialled to the row's target.", "",
-           "| method | stage | target | val ppl | ppl / dense | attn sparsity | FFN sparsity | realized - target | linear FLOPs |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = title(meta)
+    out[-1] += (" Sparsities and FLOPs are what the routers (or thresholds) realized on the held-out text; `realized - "
+                "target` compares the mean of attention and FFN skip rates with the target. `wide dial` rows are the "
+                "stage-2 routers trained at the `from` target, dialled to the row's target.")
+    out += ["", "| method | stage | target | val ppl | ppl / dense | attn sparsity | FFN sparsity | realized - target | "
+            "linear FLOPs |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         method = r["method"] + (f" (from {r['trained_target']:g})" if "trained_target" in r else "")
         gap = "-" if r["method"] == "dense" else f"{realized(r) - r['target_sparsity']:+.3f}"
@@ -524,16 +533,7 @@ def markdown(rows, matched, dense_ppl, meta, fp8=(), batch_shared=()):
         for r in layered:
             cells = " | ".join(f"{a:.2f} / {f:.2f}" for a, f in zip(r["attn_per_layer"], r["ffn_per_layer"]))
             out.append(f"| {r['method']} | {r['stage'] or '-'} | {target_label(r)} | {cells} |")
-    if fp8:
-        out += ["", "fp8 weights (weight-only e4m3, one scale per output channel, on q, k, v, o, gate, up, down; "
-                "embeddings, head and routers unchanged), as `generate.py --weights fp8` serves them. Target: "
-                "fp8 perplexity within 1% of the model's own dtype.", "",
-                "| model | dtype | val ppl | fp8 val ppl | fp8 / dtype | realized sparsity (dtype / fp8) |",
-                "|---|---|---|---|---|---|"]
-        for r in fp8:
-            name = "dense" if r["method"] == "dense" else f"WIDE stage 2 ({r['checkpoint']})"
-            out.append(f"| {name} | {r['dtype']} | {r['val_ppl']:.2f} | {r['fp8_val_ppl']:.2f} | "
-                       f"{r['fp8_vs_model']:.4f} | {r['realized']:.1%} / {r['fp8_realized']:.1%} |")
+    out += fp8_markdown(fp8) if fp8 else []
     if batch_shared:
         out += ["", f"Batch-shared FFN routing (serving time, no retraining): B held-out windows (shuffled; "
                 f"{batch_shared[0]['windows']} of them, full batches only) decode "

@@ -380,3 +380,31 @@ def test_eval_scores_the_calibration_only_comparison(tmp_path, tokenizer, monkey
     assert [(r["target_sparsity"], r["dial_rule"]) for r in dialled] == [(0.3, "keep_power")]
     matched = {(m["wide_method"], m["wide_stage"]) for m in rec["matched_flops"]}
     assert matched == {("wide", 1), ("wide", 2), ("wide dial", 2)}
+
+
+def test_eval_fp8_only_scores_dense_and_wide_in_both_fp8_schemes(tmp_path, tokenizer, monkeypatch, capsys):
+    # --fp8-only: results/NAME_fp8.* alone, dense and WIDE stage 2 each in its dtype, with fp8 weights, and with
+    # fp8 weights and per-token fp8 activations (engine.fp8_model), the quality table untouched.
+    import json
+    import eval as evaluate
+    from engine import fp8_model
+    out = tmp_path / "out"
+    save_checkpoint(str(out / "base"), random_model(vocab_size=tokenizer.get_vocab_size()), tokenizer)
+    save_router_checkpoint(out / "wide-s0.5-stage2", tokenizer, offsets_for=0.5, seed=1, stage=2)
+    monkeypatch.setattr(data, "split_plays", lambda: ([TEXT * 40], [TEXT * 4]))
+    r = run_main(capsys, evaluate.main, "--out-dir", str(out), "--results", str(tmp_path / "res"), "--name", "q",
+                 "--block-size", "16", "--batch-size", "8", "--max-windows", "6", "--fp8-only", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "res").iterdir()) == ["q_fp8.json", "q_fp8.md"]
+    rows = json.loads((tmp_path / "res" / "q_fp8.json").read_text())["fp8"]
+    assert [row["method"] for row in rows] == ["dense", "wide"]
+    for row in rows:
+        assert row["val_ppl"] != row["fp8_val_ppl"] != row["w8a8_val_ppl"], "three different models"
+        for scheme in ("fp8", "w8a8"):
+            assert row[f"{scheme}_vs_model"] == round(row[f"{scheme}_val_ppl"] / row["val_ppl"], 4)
+    args = evaluate.parse_args(["--out-dir", str(out), "--block-size", "16", "--max-windows", "6", "--device", "cpu"])
+    x, y, _ = evaluate.texts(args)
+    both, _ = evaluate.score(fp8_model(evaluate.base_model(args), activations=True), x, y, args)
+    assert rows[0]["w8a8_val_ppl"] == round(both, 3), "the dense row's weights-and-activations scheme"
+    md = (tmp_path / "res" / "q_fp8.md").read_text()
+    assert md.startswith("# Held-out perplexity") and "| fp8 weights and activations |" in md
