@@ -17,7 +17,7 @@ import kernels
 from bench import common
 from kernels_attention import attention_decode, attention_decode_ref, attention_prefill, attention_prefill_ref
 from kernels_layout import layout
-from kernels_step import live_ref
+from kernels_step import live_ref, quantize_rows
 from policy import GEMV_MAX_TOKENS, NORM_ROUTE_TILE
 
 DECODE_TOKENS = GEMV_MAX_TOKENS      # rows with at most this many tokens are decode-sized: judged on graphs
@@ -143,14 +143,22 @@ def swiglu(y):
 
 
 def fp8_copies(ws, fp8):
-    # fp8 (the tuning sweep's fp8 keys): each copy as (e4m3 codes, per-row scales); else (w, None).
+    # fp8: each copy as (e4m3 codes, per-row scales); else (w, None).
     return [kernels.quantize_fp8(w) if fp8 else (w, None) for w in ws]
+
+
+def fp8_dense(x, wq, fns):
+    """The dense rivals of an fp8 case: stock fp8 (the input quantized per token, then torch._scaled_mm on the
+    codes: kernels_step.quantize_rows, kernels.scaled_mm) first, the baseline; then the bf16 ones (fns)."""
+    stock = [lambda i=i: kernels.scaled_mm(quantize_rows(x), *wq[i], x.dtype) for i in range(len(wq))]
+    return dict(scaled_mm=stock, **fns), ("scaled_mm",)
 
 
 def case_gate_up(s, T, fp8=False):
     e, I, D, gs = s.dtype.itemsize, s.FFN, s.D, s.ffn_gs
-    nbytes = e * (2 * I * D + T * D + T * I)
-    copies = rotation(s, T, nbytes / (2 if fp8 else 1), 2 * I * D * e / nbytes)
+    ew = 1 if fp8 else e  # bytes per weight element
+    nbytes = ew * 2 * I * D + e * (T * D + T * I)
+    copies = rotation(s, T, nbytes, 2 * I * D * ew / nbytes)
     wgu = weights(s, 2 * I, D, copies)  # the dense side's fused [gate; up] weight; WIDE reads its halves
     wq = fp8_copies(wgu, fp8)
     x = torch.randn(T, D, device=s.device, dtype=s.dtype)
@@ -167,12 +175,12 @@ def case_gate_up(s, T, fp8=False):
             return kernels.gemm_mn_ref(x.float(), w[:I], mask, gs, w[I:], w_scale=sc[:I], w_up_scale=sc[I:])
         return kernels.gemm_mn_ref(x.float(), w[:I].float(), mask, gs, w[I:].float())
 
-    return Case("gate+up (gemm_mn, fused silu*up)", T, 1, 0, (T, I // gs), 2 * T * 2 * I * D, nbytes,
-                2 * I * D * e / nbytes, copies,
-                dense={"dense": [lambda i=i: F.linear(x, wgu[i]) for i in range(copies)],
-                       "dense_swiglu": [lambda i=i: swiglu(F.linear(x, wgu[i])) for i in range(copies)]},
-                sparse=sparse, reference=reference,
-                keep=lambda mask: mask.repeat_interleave(gs, 1))
+    dense = {"dense": [lambda i=i: F.linear(x, wgu[i]) for i in range(copies)],
+             "dense_swiglu": [lambda i=i: swiglu(F.linear(x, wgu[i])) for i in range(copies)]}
+    dense, baseline = fp8_dense(x, wq, dense) if fp8 else (dense, ("dense",))
+    return Case(("fp8 " if fp8 else "") + "gate+up (gemm_mn, fused silu*up)", T, 1, 0, (T, I // gs), 2 * T * 2 * I * D,
+                nbytes, 2 * I * D * ew / nbytes, copies, dense=dense, sparse=sparse, reference=reference,
+                keep=lambda mask: mask.repeat_interleave(gs, 1), baseline=baseline)
 
 
 def case_q(s, T, with_kv, fp8=False):
@@ -180,9 +188,10 @@ def case_q(s, T, with_kv, fp8=False):
     # Q through gemm_mn (pruned) and K/V one dense GEMM (never pruned: the cache stays complete), against
     # one dense GEMM over the fused [Q; K; V] weight.
     e, D, NQ, gs = s.dtype.itemsize, s.D, s.H * s.HD, s.attn_gs
+    ew = 1 if fp8 else e
     N = NQ + (2 * s.HKV * s.HD if with_kv else 0)
-    nbytes = e * (N * D + T * D + T * N)
-    copies = rotation(s, T, nbytes / (2 if fp8 else 1), NQ * D * e / nbytes)
+    nbytes = ew * N * D + e * (T * D + T * N)
+    copies = rotation(s, T, nbytes, NQ * D * ew / nbytes)
     w = weights(s, N, D, copies)
     wq = fp8_copies(w, fp8)
     x = torch.randn(T, D, device=s.device, dtype=s.dtype)
@@ -204,15 +213,17 @@ def case_q(s, T, with_kv, fp8=False):
     keep = lambda mask: (mask.repeat_interleave(gs, 1), None) if with_kv else mask.repeat_interleave(gs, 1)
     name = f"Q/K/V proj (Q pruned, {gs}-ch groups; K/V dense)" if with_kv else f"q_proj (gemm_mn, {gs}-ch groups)"
     # (decode: Q's live groups, K and V in one gemv_mn launch; prefill: gemm_mn for Q, cuBLAS for K/V)
-    return Case(name, T, 1, 0, (T, NQ // gs), 2 * T * N * D, nbytes, NQ * D * e / nbytes, copies,
-                dense={"dense": [lambda i=i: F.linear(x, w[i]) for i in range(copies)]}, sparse=sparse,
-                reference=reference, keep=keep)
+    dense = {"dense": [lambda i=i: F.linear(x, w[i]) for i in range(copies)]}
+    dense, baseline = fp8_dense(x, wq, dense) if fp8 else (dense, ("dense",))
+    return Case(("fp8 " if fp8 else "") + name, T, 1, 0, (T, NQ // gs), 2 * T * N * D, nbytes, NQ * D * ew / nbytes,
+                copies, dense=dense, sparse=sparse, reference=reference, keep=keep, baseline=baseline)
 
 
 def case_k(s, T, K, gs, name, method="tile", fp8=False):
     e, D = s.dtype.itemsize, s.D
-    nbytes = e * (D * K + T * D + T * K)
-    copies = rotation(s, T, nbytes / (2 if fp8 else 1), D * K * e / nbytes)
+    ew = 1 if fp8 else e
+    nbytes = ew * D * K + e * (T * D + T * K)
+    copies = rotation(s, T, nbytes, D * K * ew / nbytes)
     w = weights(s, D, K, copies)
     wq = fp8_copies(w, fp8)
     a = torch.randn(T, K, device=s.device, dtype=s.dtype)
@@ -225,11 +236,13 @@ def case_k(s, T, K, gs, name, method="tile", fp8=False):
         return kernels.gemm_k(a, wq[i][0], m, gs, method=method, config=cfg, w_scale=wq[i][1], live=live,
                               tickets=tickets)
 
-    return Case(f"{name} (gemm_k, {gs}-ch groups, {method})", T, 1, 0, (T, K // gs), 2 * T * D * K, nbytes,
-                D * K * e / nbytes, copies, dense={"dense": [lambda i=i: F.linear(a, w[i]) for i in range(copies)]},
-                sparse=sparse, reference=lambda mask: kernels.gemm_k_ref(
+    dense = {"dense": [lambda i=i: F.linear(a, w[i]) for i in range(copies)]}
+    dense, baseline = fp8_dense(a, wq, dense) if fp8 else (dense, ("dense",))
+    return Case(("fp8 " if fp8 else "") + f"{name} (gemm_k, {gs}-ch groups, {method})", T, 1, 0, (T, K // gs),
+                2 * T * D * K, nbytes, D * K * ew / nbytes, copies, dense=dense, sparse=sparse,
+                reference=lambda mask: kernels.gemm_k_ref(
                     a.float(), kernels.dequantize_fp8(*wq[0]) if fp8 else w[0].float(), mask, gs),
-                keep=lambda mask: None)
+                keep=lambda mask: None, baseline=baseline)
 
 
 def case_decode_attention(s):
@@ -297,6 +310,10 @@ def all_cases(s):
         ("o_proj", lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj")),
         ("o_proj", lambda: case_k(s, M, s.H * s.HD, s.attn_gs, "o_proj")),
         ("o_proj atomic", lambda: case_k(s, M, s.H * s.HD, s.attn_gs, "o_proj", "atomic")),
+        ("fp8 gate+up", lambda: case_gate_up(s, 1, fp8=True)),  # e4m3 weights against stock fp8 (_scaled_mm)
+        ("fp8 qkv", lambda: case_q(s, 1, True, fp8=True)),
+        ("fp8 down", lambda: case_k(s, 1, long_k, s.ffn_gs, "down", fp8=True)),
+        ("fp8 o_proj", lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj", fp8=True)),
         ("attention decode", lambda: case_decode_attention(s)),
         ("attention prefill", lambda: case_prefill_attention(s)),
     ]

@@ -84,7 +84,7 @@ def op_bytes(m, plan, batch, context, masks):
         out[label] = out.get(label, 0.0) + n
     for layer in plan.layers:
         for name, op in layer.items():
-            w = 1 if op.weights == "fp8" else e
+            w = 1 if op.weights in ("fp8", "fp8 x fp8") else e  # e4m3 codes: a byte each
             skips = op.kind in ("gemv", "gemv_fused", "gemm_k", "tiles", "tiles_fused")
             if name == "qkv":
                 add(name, D * (H * d * (a_union if skips else 1) + 2 * Hkv * d) * w)

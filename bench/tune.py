@@ -8,7 +8,7 @@ live and 50% skipped) and timed as bench/ops.py times that op (decode-sized ops 
 
 The variants are passed to the ops as config= (CONFIGS itself is never rewritten); a key's first row is
 its current setting. fp8 keys time the same op on e4m3 weights (kernels.quantize_fp8); their dense
-column is still the bf16 cuBLAS op, so their speedup is against bf16.
+column is stock fp8 (the input quantized per token, then torch._scaled_mm), so their speedup is against that.
 """
 import functools
 
