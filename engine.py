@@ -447,11 +447,11 @@ def warm_chunks(chunk, positions, policy):
         after; a one-token chunk after 0 runs as a decode step)."""
     small = max(2 * GEMV_MAX_TOKENS, policy.router_max_tokens + 1, policy.sparse_decode_max_tokens + 1,
                 policy.dense_gemv_max_tokens + 1)
-    t = policy.sparse_prefill_min_tokens
     out = []
     for start in (0, chunk):
         room = min(chunk, positions - start)  # the longest chunk at this start
-        lengths = set(range(1, small + 1)) | {t - 1, t, t + 1}
+        lengths = set(range(1, small + 1)) | {t + d for t in (policy.sparse_prefill_min_tokens,
+                                                              policy.fp8_scaled_mm_min_tokens) for d in (-1, 0, 1)}
         p = 1
         while p < 2 * room:  # each power-of-two bucket up to room's: its longest length and the one below
             lengths |= {min(p, room), min(p, room) - 1}

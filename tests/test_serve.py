@@ -245,17 +245,18 @@ def chunk_keys(launches, e, chunk, positions):
 
 
 @pytest.mark.parametrize("routers", [True, False])
-@pytest.mark.parametrize("chunk, slot_len, policy", [
-    (100, 180, Policy(router_max_tokens=8, sparse_prefill_min_tokens=24)),  # every threshold within the chunk
-    (300, 620, Policy()), (65, 200, Policy())])  # the default's, and a chunk neither a power of two nor of 16
-def test_a_warmed_up_server_compiles_nothing_for_any_chunk(launches, routers, chunk, slot_len, policy):
+@pytest.mark.parametrize("chunk, slot_len, policy, weights", [
+    (100, 180, Policy(router_max_tokens=8, sparse_prefill_min_tokens=24), "bf16"),  # every threshold within the chunk
+    (300, 620, Policy(), "bf16"), (65, 200, Policy(), "bf16"),  # the default's; a chunk neither a power of 2 nor of 16
+    (100, 180, Policy(router_max_tokens=8, sparse_prefill_min_tokens=24, fp8_scaled_mm_min_tokens=8), "fp8")])
+def test_a_warmed_up_server_compiles_nothing_for_any_chunk(launches, routers, chunk, slot_len, policy, weights):
     # After warm_up, no chunk a request can bring (every length up to the chunk, at start 0 and after a first
     # chunk) launches a kernel specialization warm_up did not (conftest.specialization: what a GPU compiles for).
     # The launches are recorded, not run (keys depend on the arguments alone), so every length is tried. A whole
     # served workload with Triton's own compile hook: tests/test_gpu.py.
     cfg = ModelConfig(vocab_size=96, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=128,
                       max_seq_len=slot_len)
-    e = engine.Engine(wide_model(cfg=cfg, routers=routers), policy)
+    e = engine.Engine(wide_model(cfg=cfg, routers=routers), policy, weights)
     server = serve.Server(e, 2, slot_len, chunk=chunk)
     launches.dry = True
     launches.clear()
