@@ -80,9 +80,16 @@ def fp8_model(model, activations=False):
             codes, scale = kernels.quantize_fp8(lin.weight)
             lin.weight.copy_(kernels.dequantize_fp8(codes, scale, lin.weight.dtype))
             if activations:
-                lin.forward = lambda x, codes=codes, scale=scale: kernels.scaled_mm_ref(
-                    quantize_rows_ref(x.reshape(-1, x.shape[-1])), codes, scale, x.dtype).view(*x.shape[:-1], -1)
+                lin.forward = lambda x, codes=codes, scale=scale: fp8_linear(x, codes, scale)
     return model
+
+
+def fp8_linear(x, codes, scale):
+    # As the "fp8 x fp8" ops compute: x quantized per token, the codes' products summed in fp32, both scales,
+    # one rounding to x's dtype (outside any autocast, which would round the sums to bf16 first).
+    with torch.autocast(x.device.type, enabled=False):
+        a = quantize_rows_ref(x.reshape(-1, x.shape[-1]))
+        return kernels.scaled_mm_ref(a, codes, scale, x.dtype).view(*x.shape[:-1], -1)
 
 
 def select(model, backend="auto", policy=None, weights="bf16"):

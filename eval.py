@@ -114,8 +114,8 @@ def dial_rows(args, x, y, path, targets, rules, method):
 
 
 def fp8_rows(args, x, y):
-    """Dense and WIDE stage 2 at 0.5, each in its own dtype and in both fp8 schemes (engine.fp8_model): "fp8",
-    weights only; "w8a8", weights and each token's input to a linear."""
+    """Dense and WIDE (the --dial-from routers: stage 2 at 0.5 by default), each in its own dtype and in both fp8
+    schemes (engine.fp8_model): "fp8", weights only; "w8a8", weights and each token's input to a linear."""
     rows = []
     loaders = [("dense", lambda: (base_model(args), None))]
     if os.path.isfile(os.path.join(args.dial_from, "wide.json")):
@@ -342,7 +342,7 @@ def parser():
                    help="the trained WIDE stages that get matched-FLOP rows (dial rows always do)")
     p.add_argument("--no-serving", action="store_true", help="no serving rows (RESULTS/NAME_serving.*)")
     p.add_argument("--no-fp8", action="store_true", help="no fp8 rows")
-    p.add_argument("--fp8-only", action="store_true", help="only results/NAME_fp8.* (dense and WIDE stage 2 at 0.5 "
+    p.add_argument("--fp8-only", action="store_true", help="only results/NAME_fp8.* (dense and the --dial-from routers "
                    "in both fp8 schemes), the quality table untouched")
     return p
 
@@ -488,7 +488,7 @@ def fp8_markdown(fp8):
            "| model | dtype | val ppl | fp8 weights | / dtype | fp8 weights and activations | / dtype | "
            "realized sparsity (dtype / fp8 / both) |", "|---|---|---|---|---|---|---|---|"]
     for r in fp8:
-        name = "dense" if r["method"] == "dense" else f"WIDE stage 2 ({r['checkpoint']})"
+        name = "dense" if r["method"] == "dense" else f"WIDE ({r['checkpoint']})"
         out.append(f"| {name} | {r['dtype']} | {r['val_ppl']:.2f} | {r['fp8_val_ppl']:.2f} | {r['fp8_vs_model']:.4f} | "
                    f"{r['w8a8_val_ppl']:.2f} | {r['w8a8_vs_model']:.4f} | {r['realized']:.1%} / "
                    f"{r['fp8_realized']:.1%} / {r['w8a8_realized']:.1%} |")
