@@ -417,7 +417,7 @@ def evaluate(args):
     if args.fp8_only:
         fp8 = fp8_rows(args, x, y)
         return save_results(os.path.join(args.results, args.name + "_fp8"), dict(meta, fp8=fp8),
-                            "\n".join(title(meta) + fp8_markdown(fp8)[1:]) + "\n")
+                            "\n".join(title(meta) + fp8_markdown(fp8)) + "\n")
     trained, group_cfg = router_rows(args, x, y)
     # the default rule's dial rows are "wide dial"; another rule's "wide dial (RULE)"
     wide_dial = dial_rows(args, x, y, args.dial_from, args.dial, args.dial_rules,
