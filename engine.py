@@ -233,18 +233,26 @@ class Engine:
         if input_pos is None and T > self.config.max_seq_len:
             raise ValueError(f"{T} tokens do not fit the context of {self.config.max_seq_len}")
         step = self.inputs(idx, input_pos, start)
-        x = m.embed_tokens(idx)
+        x, delta = m.embed_tokens(idx), None
         for layer, ops in zip(m.layers, step.plan.layers):
-            x = self.block(layer, ops, x, step, masks)
+            x, delta = self.block(layer, ops, x, delta, step, masks)
         if logits_at is not None:
-            x = x[torch.arange(B, device=x.device), logits_at][:, None]
-        return F.linear(rms_norm(x, m.norm), m.head_weight())
+            rows = torch.arange(B, device=x.device), logits_at
+            x, delta = x[rows][:, None], None if delta is None else delta[rows][:, None]
+        normed = rms_norm(x, m.norm) if delta is None else rms_norm(delta, m.norm, residual=x)[1]
+        return F.linear(normed, m.head_weight())
 
-    def block(self, layer, ops, x, step, masks):
-        """One layer, as its plan says. Each sublayer starts with one kernel that does the residual add,
-        the RMSNorm and the router (norm_route), so a decode step has no separate launches for them."""
-        n, head_mask, head_live = self.norm_route(ops["attn_norm"], x, layer.input_layernorm, layer.attn_router,
-                                                  masks, "attn")
+    def block(self, layer, ops, x, delta, step, masks):
+        """One layer, as its plan says: the residual stream x (+ delta, the previous layer's FFN output where its
+        down projection left the add to this layer) -> the next layer's (x, delta). Each sublayer starts with
+        one kernel that does the residual add, the RMSNorm and the router (norm_route), so a step has no
+        separate launches for them."""
+        if delta is None:
+            n, head_mask, head_live = self.norm_route(ops["attn_norm"], x, layer.input_layernorm, layer.attn_router,
+                                                      masks, "attn")
+        else:
+            (x, n), head_mask, head_live = self.norm_route(ops["attn_norm"], delta, layer.input_layernorm,
+                                                           layer.attn_router, masks, "attn", residual=x)
         a = self.attention(layer, ops, n, step, head_mask, head_live, residual=x)
         vote = step.plan.shape.ffn_vote or None  # the vote rule: the rows an FFN group needs (wide.FFNRule)
         if ops["o"].runs == "Triton":  # the O projection's kernel already formed h = x + a
@@ -254,7 +262,7 @@ class Engine:
         else:                          # the norm's kernel forms it: (h, norm(h)) with h = x + a
             (h, n), channel_mask, channel_live = self.norm_route(ops["ffn_norm"], a, layer.post_attention_layernorm,
                                                                  layer.ffn_router, masks, "ffn", residual=x, vote=vote)
-        return self.ffn(layer, ops, n, channel_mask, channel_live, residual=h)  # h + FFN(n)
+        return self.ffn(layer, ops, n, channel_mask, channel_live, residual=h)
 
     def norm_route(self, op, x, norm, router, masks, kind, residual=None, vote=None):
         """(norm(x) or (h, norm(h)) with h = residual + x, the router's decision on x or h as a bool mask
@@ -371,8 +379,9 @@ class Engine:
         return self.matmul(y, layer, "o", op).view(B, T, -1)
 
     def ffn(self, layer, ops, x, channel_mask, channel_live, residual):
-        """residual + SwiGLU FFN, with channel_mask bool [B, T, G] or None (dense) and its live list (or None),
-        as the plan says."""
+        """(residual + SwiGLU FFN, None) where down's kernel adds the residual in its epilogue, else (residual,
+        the FFN's output) for the next norm's kernel to add; channel_mask bool [B, T, G] or None (dense) and its
+        live list (or None), as the plan says."""
         B, T, D = residual.shape
         M = B * T
         x2 = x if isinstance(x, kernels.Fp8Rows) else x.reshape(M, D)  # fp8 rows: the norm quantized it
@@ -408,8 +417,8 @@ class Engine:
         if op.runs == "Triton":  # the residual add in the kernel's epilogue
             wd, sd = self.linear_weights(layer, "down", op)
             return kernels.gemm_k(a, wd, mask, gs, residual=residual.reshape(M, D), tickets=self.tickets,
-                                  w_scale=sd, live=channel_live).view(B, T, D)
-        return residual + self.matmul(a, layer, "down", op).view(B, T, D)  # exact: `a`'s pruned channels are 0
+                                  w_scale=sd, live=channel_live).view(B, T, D), None
+        return residual, self.matmul(a, layer, "down", op).view(B, T, D)  # exact: `a`'s pruned channels are 0
 
     @torch.no_grad()
     def warm_prefill(self, chunk, positions):
