@@ -105,7 +105,7 @@ class Policy:
     # and a routed linear's library paths) on fp8 tensor cores, torch._scaled_mm, with the input quantized per
     # token in the step: weights and activations in e4m3 ("fp8 x fp8"), as stock fp8 serving runs. Shorter steps
     # run the dense model's through WIDE's kernels with every group live on the weight codes (weights only).
-    # bench/e2e.py times the dense fp8 decode both ways (results/e2e_h200.md).
+    # `python -m bench.e2e --only fp8` times the dense fp8 decode both ways and keeps the faster.
     fp8_scaled_mm_min_tokens: int = 1
     router_max_tokens: int = 64            # longer steps run the router module itself (two fp32 GEMMs)
     dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
