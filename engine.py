@@ -298,15 +298,15 @@ class Engine:
             return kernels.dequantize_fp8(*self.fp8[id(layer)][name], w.dtype), None
         return w, None
 
-    def matmul(self, x, layer, name, op, swiglu=False, mask=None, group_size=0):
+    def matmul(self, x, layer, name, op):
         """x @ w.T for an op on a library GEMM: cuBLAS (F.linear) on the weights linear_weights gives, or, for
-        "fp8 x fp8", torch._scaled_mm on the fp8 codes with x quantized per token (x may come as Fp8Rows
-        from the norm already; swiglu, mask: quantize_rows forms silu(gate) * up and zeroes pruned groups)."""
+        "fp8 x fp8", torch._scaled_mm on the fp8 codes with x quantized per token here (unless x comes as
+        Fp8Rows: the norm, or the SwiGLU before down, quantized it)."""
         w, scale = self.linear_weights(layer, name, op)
         if op.weights != "fp8 x fp8":
             return F.linear(x, w)
         if not isinstance(x, kernels.Fp8Rows):
-            x = quantize_rows(x, swiglu, mask, group_size)
+            x = quantize_rows(x)
         return kernels.scaled_mm(x, w, scale, self.model.embed_tokens.weight.dtype)
 
     def attention(self, layer, ops, x, step, head_mask, head_live, residual):
