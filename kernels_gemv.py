@@ -52,6 +52,18 @@ def _gemv_mn_block(x, w, w_up, lst, step, end, t, M, K, KS, sxm, swn, GS: tl.con
 
 
 @triton.jit
+def _gemv_dot(a, b, acc, FP8: tl.constexpr, IEEE: tl.constexpr):
+    # acc += a @ b.T on a 16-row tensor-core tile. fp8 codes and a bf16 input both as f16: the codes exactly
+    # and with one hardware conversion per two codes (e4m3 -> bf16 takes several instructions per code),
+    # the input exactly within f16's range (|a| < 65504), so the products are the twin's.
+    if IEEE:
+        return tl.dot(a, tl.trans(codes_f32(b, FP8)), acc, input_precision="ieee")
+    if FP8:
+        return tl.dot(a.to(tl.float16), tl.trans(b.to(tl.float16)), acc)
+    return tl.dot(a, tl.trans(b.to(a.dtype)), acc)
+
+
+@triton.jit
 def _gemv_mn_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, FUSED: tl.constexpr, FP8: tl.constexpr):
     # A chunk's epilogue: fp8 scales, silu(gate) * up, the (token, group) outputs that skip set to 0.
     if FP8:  # the per-output-channel scales, in fp32
@@ -101,7 +113,7 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
     Grid (P,), persistent. The live chunks (BN rows of a live group) are shared out evenly, whole chunks
     per program, and one flat loop over (chunk, BK slice of K) steps loads the next step before using this
     one, across chunk boundaries too. One token: FMAs reduced
-    every step; more tokens: tl.dot on a 16-row tile. Inactive (token, group) outputs and the channels of
+    every step (or, config DOT, as more tokens); more tokens: tl.dot on a 16-row tile (fp8: _gemv_dot). Inactive (token, group) outputs and the channels of
     dead groups are written as zeros. GE groups after the G routed ones are always live (the dense tail: K
     and V after Q, one stream). FP8: w (and w_up) hold e4m3 codes, half the bytes per step; the fp32 sums
     are multiplied by each row's scale (ws, wus) in the epilogue, before the SwiGLU. HALF > 0 (Q, K, V of
@@ -145,9 +157,9 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
             if FUSED:
                 acc_up += tl.sum(codes_f32(bu, FP8) * a.to(tl.float32), 1)
         else:
-            acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc, input_precision="ieee" if IEEE else "tf32")
+            acc = _gemv_dot(a, b, acc, FP8, IEEE)
             if FUSED:
-                acc_up = tl.dot(a, tl.trans(bu.to(a.dtype)), acc_up, input_precision="ieee" if IEEE else "tf32")
+                acc_up = _gemv_dot(a, bu, acc_up, FP8, IEEE)
         if step % KS == KS - 1:  # chunk done: epilogue
             res = acc if BT > 1 else acc[None, :]
             if HALF > 0:
@@ -191,7 +203,10 @@ def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope
     P = cfg["programs_per_sm"] * num_sms(x.device)
     GP = max(2, triton.next_power_of_2(G + GE))
     BN = pow2_divisor(group_size, cfg["BN"])
-    BT = 1 if M == 1 else GEMV_MAX_TOKENS
+    # One token: fp32 multiply-adds on the weights alone, or (config DOT) the same 16-row tensor-core tile as
+    # more tokens, which takes the per-code conversions and products off the FMA pipes at the price of
+    # 15 rows of padding in the input tile.
+    BT = 1 if M == 1 and not cfg.get("DOT") else GEMV_MAX_TOKENS
     live_list = empty((P, GP), torch.int32, x.device)  # each program's list of the live groups
     half, kc, vc, d = 0, x, x, 0
     if rope is not None:

@@ -28,6 +28,11 @@ def tune_table(s):
     # gemm_k at one token as a one-row FMA tile (config FMA; BM then applies from 2 tokens on)
     fma = [v(4, 3, BM=16, BN=16, BK=128, SPLIT=4, FMA=True), v(4, 3, BM=16, BN=8, BK=128, SPLIT=8, FMA=True),
            v(8, 3, BM=16, BN=32, BK=128, SPLIT=4, FMA=True)]
+    # One token on the 16-row tensor-core tile (config DOT): the codes as f16, the products on tensor cores
+    dot = [v(4, 1, BN=16, BK=256, programs_per_sm=2, DOT=True), v(4, 1, BN=32, BK=256, programs_per_sm=2, DOT=True),
+           v(4, 1, BN=16, BK=512, programs_per_sm=2, DOT=True), v(4, 1, BN=64, BK=128, programs_per_sm=2, DOT=True),
+           v(8, 1, BN=32, BK=512, programs_per_sm=1, DOT=True), v(4, 1, BN=16, BK=256, programs_per_sm=4, DOT=True),
+           v(4, 3, BN=32, BK=256, programs_per_sm=2, DOT=True), v(8, 1, BN=64, BK=256, programs_per_sm=1, DOT=True)]
     return {
         "gemm_mn_fused": (lambda: case_gate_up(s, M), [v(8, 2, block_m=128, BN=128, BK=128),
                                                        v(8, 4, block_m=256, BN=64, BK=64)]),
@@ -53,19 +58,22 @@ def tune_table(s):
             v(4, 1, BN=8, BK=1024, programs_per_sm=2), v(4, 1, BN=2, BK=4096, programs_per_sm=2),
             v(4, 1, BN=4, BK=2048, programs_per_sm=4), v(4, 1, BN=16, BK=1024, programs_per_sm=2),
             v(8, 1, BN=8, BK=2048, programs_per_sm=2), v(4, 1, BN=8, BK=1024, programs_per_sm=3),
-            v(8, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=512, programs_per_sm=4)]),
+            v(8, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=512, programs_per_sm=4), *dot]),
         "gemv_mn_1_fp8": (lambda: case_q(s, 1, True, fp8=True), [
             v(8, 1, BN=8, BK=2048, programs_per_sm=2), v(4, 1, BN=4, BK=1024, programs_per_sm=4),
-            v(4, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=1024, programs_per_sm=3)]),
+            v(4, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=1024, programs_per_sm=3), *dot]),
         # F16 (gemm_k's tensor-core tile on fp8 codes): 0 codes -> bf16, 1 codes -> f16 -> bf16 (the default),
         # 2 codes and activations as f16
         "gemm_k_small_long_k_fp8": (lambda: case_k(s, 1, FFN, s.ffn_gs, "down", fp8=True), [
             v(4, 6, BM=16, BN=128, BK=128, SPLIT=8, F16=0), v(4, 6, BM=16, BN=128, BK=128, SPLIT=8, F16=2),
             v(4, 6, BM=16, BN=64, BK=128, SPLIT=4), v(4, 6, BM=16, BN=64, BK=128, SPLIT=4, F16=2),
-            v(4, 6, BM=16, BN=64, BK=128, SPLIT=8), *fma]),
+            v(4, 6, BM=16, BN=64, BK=128, SPLIT=8), v(4, 4, BM=16, BN=128, BK=128, SPLIT=16, F16=2),
+            v(4, 4, BM=16, BN=256, BK=128, SPLIT=16, F16=2), v(8, 4, BM=16, BN=256, BK=128, SPLIT=8, F16=2), *fma]),
         "gemm_k_small_fp8": (lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj", fp8=True), [
             v(4, 6, BM=16, BN=32, BK=128, SPLIT=2), v(4, 6, BM=16, BN=32, BK=128, SPLIT=4, F16=0),
-            v(4, 6, BM=16, BN=32, BK=128, SPLIT=4, F16=2), v(4, 6, BM=16, BN=64, BK=128, SPLIT=4), *fma]),
+            v(4, 6, BM=16, BN=32, BK=128, SPLIT=4, F16=2), v(4, 6, BM=16, BN=64, BK=128, SPLIT=4),
+            v(4, 4, BM=16, BN=64, BK=256, SPLIT=8, F16=2), v(4, 4, BM=16, BN=32, BK=256, SPLIT=8, F16=2),
+            v(4, 6, BM=16, BN=16, BK=128, SPLIT=8, F16=2), *fma]),
         "attn_prefill": (lambda: case_prefill_attention(s), [v(8, 2, BM=128, BN=128)]),
         "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16),
                                                            v(8, 3, BN=128, programs_per_sm=2), v(4, 3, BN=128, programs_per_sm=4)]),
