@@ -157,7 +157,7 @@ class Policy:
         fp16 model's would be rounded through bf16: _scaled_mm's per-row scales give bf16 on a GPU)."""
         return shape.fp8 and shape.tokens >= self.fp8_scaled_mm_min_tokens and shape.dtype != "fp16"
 
-    def library(self, kind, shape, w):
+    def vendor_gemm(self, kind, shape, w):
         """An op on a library GEMM: cuBLAS on the model dtype (or the values fp8 codes stand for), or
         torch._scaled_mm on the fp8 codes with the input quantized per token (quantize_rows: one launch)."""
         if self.scaled_mm(shape):
@@ -185,9 +185,9 @@ class Policy:
         M = shape.tokens
         if router is None:
             return (Op("gemv_all", "Triton", w, ("gemv_mn_kernel",)) if self.every_group_live(shape)
-                    else self.library("cublas", shape, w))
+                    else self.vendor_gemm("cublas", shape, w))
         if not (M <= self.sparse_decode_max_tokens or M >= self.sparse_prefill_min_tokens or reads_fp8(shape)):
-            return self.library("cublas_every_head", shape, w)
+            return self.vendor_gemm("cublas_every_head", shape, w)
         if M <= GEMV_MAX_TOKENS:
             return Op("gemv", "Triton", w, ("gemv_mn_kernel",))
         return Op("tiles", "Triton + cuBLAS", w, ("gemm_mn_kernel",))
@@ -214,10 +214,10 @@ class Policy:
         and no 16-token tile of per-token masks shares a skipped group)."""
         if router is None:
             return (Op("gemm_k_all", "Triton", w, ("gemm_k_kernel",)) if self.every_group_live(shape)
-                    else self.library("cublas", shape, w))
+                    else self.vendor_gemm("cublas", shape, w))
         if shape.tokens <= max(self.sparse_decode_max_tokens, self.dense_gemv_max_tokens) or reads_fp8(shape):
             return Op("gemm_k", "Triton", w, ("gemm_k_kernel",))
-        return self.library("cublas_masked_input", shape, w)
+        return self.vendor_gemm("cublas_masked_input", shape, w)
 
     def gate_up_op(self, shape, router, w):
         """gate+up with silu(gate)*up fused, as Q: the decode GEMV or gemm_mn's sorted tiles where skipping pays,
@@ -226,10 +226,10 @@ class Policy:
         M = shape.tokens
         if router is None:
             return (Op("gemv_fused_all", "Triton", w, ("gemv_mn_kernel",)) if self.every_group_live(shape)
-                    else self.library("cublas", shape, w))
+                    else self.vendor_gemm("cublas", shape, w))
         voted = shape.ffn_vote and M <= GEMV_MAX_TOKENS
         if not (M <= self.sparse_decode_max_tokens or M >= self.sparse_prefill_min_tokens or reads_fp8(shape) or voted):
-            return self.library("cublas_masked", shape, w)
+            return self.vendor_gemm("cublas_masked", shape, w)
         if M <= GEMV_MAX_TOKENS:
             return Op("gemv_fused", "Triton", w, ("gemv_mn_kernel",))
         return Op("tiles_fused", "Triton", w, ("gemm_mn_kernel",))
@@ -239,11 +239,11 @@ class Policy:
         decode size the GEMV takes), else cuBLAS on the masked input."""
         if router is None:
             return (Op("gemm_k_all", "Triton", w, ("gemm_k_kernel",)) if self.every_group_live(shape)
-                    else self.library("cublas", shape, w))
+                    else self.vendor_gemm("cublas", shape, w))
         voted = shape.ffn_vote and shape.tokens <= GEMV_MAX_TOKENS
         if shape.tokens <= self.sparse_decode_max_tokens or reads_fp8(shape) or voted:
             return Op("gemm_k", "Triton", w, ("gemm_k_kernel",))
-        return self.library("cublas_masked_input", shape, w)
+        return self.vendor_gemm("cublas_masked_input", shape, w)
 
 
 def reads_fp8(shape):

@@ -18,6 +18,7 @@ import kernels_attention
 import kernels_base
 import kernels_layout
 import kernels_step
+import policy
 from conftest import assert_close as _assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -143,7 +144,8 @@ def test_decode_gemm_mn_computes_a_dense_tail_after_the_routed_groups(M, p_on):
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "gate+up"])
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("per_sm", [1, 5])  # 2 or 10 programs (two "SMs" under the interpreter)
-def test_decode_gemv_shares_the_live_chunks_over_any_number_of_programs_and_matches_twin(per_sm, M, fused, fp8, dot):
+def test_decode_gemv_shares_the_live_chunks_over_any_number_of_programs_and_matches_twin(launches, per_sm, M, fused,
+                                                                                       fp8, dot):
     # The programs share the live chunks out, whole chunks each (some get none when there are more programs
     # than chunks). dot: one token on the 16-row tensor-core tile (config DOT; more tokens always take it).
     gen = torch.Generator().manual_seed(30 + per_sm + M)
@@ -160,6 +162,8 @@ def test_decode_gemv_shares_the_live_chunks_over_any_number_of_programs_and_matc
     out = kernels.gemm_mn(x, w, mask, GS, w_up=w_up, dense_tail=tail, w_scale=ws, w_up_scale=wus,
                           config=dict(programs_per_sm=per_sm, BN=8, BK=32, DOT=dot))
     assert_close(out, kernels.gemm_mn_ref(x, w, mask, GS, w_up=w_up, dense_tail=tail, w_scale=ws, w_up_scale=wus))
+    tile = launches.constants["gemv_mn_kernel"][0]["BT"]
+    assert tile == (1 if M == 1 and not dot else policy.GEMV_MAX_TOKENS), "one token: FMAs, unless DOT takes the 16-row tile"
 
 
 @pytest.mark.parametrize("M", [1, 4])
