@@ -113,9 +113,9 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
     Grid (P,), persistent. The live chunks (BN rows of a live group) are shared out evenly, whole chunks
     per program, and one flat loop over (chunk, BK slice of K) steps loads the next step before using this
     one, across chunk boundaries too. One token: FMAs reduced
-    every step (or, config DOT, as more tokens); more tokens: tl.dot on a 16-row tile (fp8: _gemv_dot). Inactive (token, group) outputs and the channels of
-    dead groups are written as zeros. GE groups after the G routed ones are always live (the dense tail: K
-    and V after Q, one stream). FP8: w (and w_up) hold e4m3 codes, half the bytes per step; the fp32 sums
+    every step (or, config DOT, as more tokens); more tokens: tl.dot on a 16-row tile (_gemv_dot). Inactive
+    (token, group) outputs and the channels of dead groups are written as zeros. GE groups after the G
+    routed ones are always live (the dense tail: K and V after Q, one stream). FP8: w (and w_up) hold e4m3 codes, half the bytes per step; the fp32 sums
     are multiplied by each row's scale (ws, wus) in the epilogue, before the SwiGLU. HALF > 0 (Q, K, V of
     a decode step): the epilogue also applies RoPE and writes K and V into the cache (_gemv_qkv_out; out
     is then Q alone, NQ wide), so no separate RoPE launch; twin kernels_step.rope_and_store_ref after

@@ -163,7 +163,8 @@ def test_decode_gemv_shares_the_live_chunks_over_any_number_of_programs_and_matc
                           config=dict(programs_per_sm=per_sm, BN=8, BK=32, DOT=dot))
     assert_close(out, kernels.gemm_mn_ref(x, w, mask, GS, w_up=w_up, dense_tail=tail, w_scale=ws, w_up_scale=wus))
     tile = launches.constants["gemv_mn_kernel"][0]["BT"]
-    assert tile == (1 if M == 1 and not dot else policy.GEMV_MAX_TOKENS), "one token: FMAs, unless DOT takes the 16-row tile"
+    want = 1 if M == 1 and not dot else policy.GEMV_MAX_TOKENS
+    assert tile == want, "one token: FMAs, unless DOT takes the 16-row tile"
 
 
 @pytest.mark.parametrize("M", [1, 4])
