@@ -27,7 +27,7 @@ from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
 from kernels_step import norm_route, quantize_rows, quantize_rows_ref, rms_norm, rope_and_store
-from policy import GEMV_MAX_TOKENS, Plan, Policy, Shape
+from policy import GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS, Plan, Policy, Shape
 from wide import shared_by_vote
 
 
@@ -461,13 +461,13 @@ def warm_chunks(chunk, positions, policy):
         or a plan threshold: each bucket's longest length and the one below it, each threshold's neighbours;
       - each at start 0 and at start `chunk`, where the plan differs (dense: SDPA at 0, the prefill kernel
         after; a one-token chunk after 0 runs as a decode step)."""
-    small = max(2 * GEMV_MAX_TOKENS, policy.router_max_tokens + 1, policy.sparse_decode_max_tokens + 1,
+    small = max(2 * GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS + 1, policy.sparse_decode_max_tokens + 1,
                 policy.dense_gemv_max_tokens + 1)
     out = []
     for start in (0, chunk):
         room = min(chunk, positions - start)  # the longest chunk at this start
-        lengths = set(range(1, small + 1)) | {t + d for t in (policy.sparse_prefill_min_tokens,
-                                                              policy.fp8_scaled_mm_min_tokens) for d in (-1, 0, 1)}
+        thresholds = (policy.sparse_prefill_min_tokens, policy.router_max_tokens, policy.fp8_scaled_mm_min_tokens)
+        lengths = set(range(1, small + 1)) | {t + d for t in thresholds for d in (-1, 0, 1)}
         p = 1
         while p < 2 * room:  # each power-of-two bucket up to room's: its longest length and the one below
             lengths |= {min(p, room), min(p, room) - 1}

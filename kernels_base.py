@@ -44,6 +44,8 @@ CONFIGS = {
     # max_chunks per (row, KV head), merged in turn: merging all chunks at once was slower (the merge's
     # registers cost the whole kernel occupancy).
     "attn_decode": dict(BN=128, programs_per_sm=4, max_chunks=16, num_warps=8, num_stages=2),
+    # A prefill chunk's norm + router: tiles of 16 tokens (one tile per SM at 2k tokens), every rank per program.
+    "norm_route_rows": dict(BT=16, BK=128, num_warps=4, num_stages=2),
 }
 if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per element
     LONG_K = 64  # so the small test shapes exercise both decode gemm_k variants
@@ -58,6 +60,7 @@ if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per ele
         "gemm_k_small_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2), "gemm_k_small_long_k_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_atomic": dict(BN=32, BK=16),
         "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, programs_per_sm=4, max_chunks=4),
+        "norm_route_rows": dict(BT=16, BK=32),
     })
 
 

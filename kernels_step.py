@@ -1,7 +1,8 @@
 """
 The small fused kernels of an inference step (engine.py), each after its PyTorch twin:
 
-  norm_route      residual add + RMSNorm + the wide.Router decision (and the live list), one launch per sublayer
+  norm_route      residual add + RMSNorm + the wide.Router decision (and the live list), one launch per sublayer,
+                  decode steps and prefill chunks alike
   rms_norm        RMSNorm (with the residual add) where there is no router; its output as fp8 rows if asked
   rope_and_store  RoPE on q and k, and k, v written into the static KV cache at each token's slot
   quantize_rows   a linear's input as fp8 rows (per-token e4m3 codes and scale) for kernels.scaled_mm; the
@@ -16,9 +17,9 @@ import triton
 import triton.language as tl
 
 from kernels import FP8, Fp8Rows, quantize_fp8
-from kernels_base import INTERPRET, check_device, empty, pdl_args, prior_done
+from kernels_base import INTERPRET, check_device, config_for, empty, launch_args, pdl_args, prior_done
 from model import apply_rope
-from policy import NORM_ROUTE_TILE
+from policy import NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE
 
 
 def rms_norm_ref(x, norm, residual=None, fp8=False):
@@ -233,6 +234,9 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
     normed = norm(x), or (h, norm(h)) with a residual; masks [B, T, G]. live: the step's live list, int32
     [1 + G] (the number of groups some token runs, those groups ascending, then the others), which the
     decode kernels read instead of scanning the mask; None for a step of more than one token tile.
+    Two kernels: up to NORM_ROUTE_SPLIT_MAX_TOKENS tokens (decode steps) the router's ranks are split over
+    programs, so a few tokens still spread over the GPU; longer steps (prefill chunks) give each program a
+    tile of tokens and every rank, so the router's weights are read once per tile, not once per 4 tokens.
     tickets: int32 zeros, one per tile of NORM_ROUTE_TILE tokens (the kernel leaves them zero, so a CUDA
     graph can replay it; launches on one stream run one after another, so an engine needs one buffer)."""
     check_device(x)
@@ -248,6 +252,14 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
     keep = empty((M, G), torch.uint8, x.device)
     keepf = empty((M, G), torch.float32, x.device)
     live = empty((1 + G,), torch.int32, x.device)
+    if M > NORM_ROUTE_SPLIT_MAX_TOKENS:  # a prefill chunk: each program a tile of tokens and every rank
+        cfg = config_for("norm_route_rows", None)
+        _norm_route_rows_kernel[(triton.cdiv(M, cfg["BT"]),)](
+            x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, up.weight, up.bias, keep, keepf, M, D, R, G,
+            HAS_RES=residual is not None, BT=cfg["BT"], BK=cfg["BK"], RP=max(16, triton.next_power_of_2(R)),
+            BG=max(16, triton.next_power_of_2(G)), **launch_args(cfg), **pdl_args(x.device))
+        normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
+        return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), None
     BT = max(2, triton.next_power_of_2(min(M, NORM_ROUTE_TILE)))
     n_tiles = triton.cdiv(M, BT)
     tickets = torch.zeros(n_tiles, dtype=torch.int32, device=x.device) if tickets is None else tickets
@@ -352,3 +364,58 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
             tl.store(live, n_live)
             tl.store(live + 1 + tl.cumsum(on, 0) - 1, g, mask=on > 0)
             tl.store(live + 1 + n_live + tl.cumsum(off, 0) - 1, g, mask=off > 0)
+
+
+@triton.jit(do_not_specialize=["M"])  # chunk lengths: see engine.warm_chunks
+def _norm_route_rows_kernel(x, res, h_out, y, nw, eps, wd, bd, wu, bu, keep, keepf, M, D, R, G,
+                            HAS_RES: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
+                            BG: tl.constexpr, PDL: tl.constexpr):
+    """Residual add + RMSNorm + router for a prefill chunk: one program per tile of BT tokens, all of it.
+
+    Pass 1 over D: h = res + x (rounded to the model dtype, as `x + a` is), the tile's sums of squares, and
+    the router's first Linear z = h @ wd.T + bd for every rank at once (an fp32 dot: the reference router
+    runs in fp32). Then the second Linear and wide.Router's rule for the tile (skip iff z_skip > z_exec; a
+    tie executes). Pass 2 over D (the tile's rows again, now from L2): h and RMSNorm(h) written. No ticket
+    and no hand-over: every program owns its tokens. Skips nothing. Twin: norm_route_ref."""
+    tile = tl.program_id(0)
+    t = tile * BT + tl.arange(0, BT)
+    tok = t < M
+    kk = tl.arange(0, BK)
+    rr = tl.arange(0, RP)
+    g = tl.arange(0, BG)
+    prior_done(PDL)
+    z = tl.zeros([BT, RP], tl.float32)
+    ss = tl.zeros([BT], tl.float32)
+    for k0 in range(0, D, BK):
+        ok = tok[:, None] & (k0 + kk < D)[None, :]
+        offs = t[:, None].to(tl.int64) * D + k0 + kk[None, :]
+        hv = tl.load(x + offs, mask=ok, other=0.0)
+        if HAS_RES:
+            hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
+        hf = hv.to(tl.float32)
+        ss += tl.sum(hf * hf, 1)
+        w = tl.load(wd + rr[:, None] * D + k0 + kk[None, :], mask=(rr < R)[:, None] & (k0 + kk < D)[None, :],
+                    other=0.0)
+        z = tl.dot(hf, tl.trans(w), z, input_precision="ieee")
+    z += tl.load(bd + rr, mask=rr < R, other=0.0)[None, :]
+    wm = (g < G)[:, None] & (rr < R)[None, :]
+    w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
+    w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+    z_exec = tl.dot(z, tl.trans(w_exec), input_precision="ieee") + tl.load(bu + 2 * g, mask=g < G, other=0.0)[None, :]
+    z_skip = tl.dot(z, tl.trans(w_skip), input_precision="ieee") + tl.load(bu + 2 * g + 1, mask=g < G,
+                                                                           other=0.0)[None, :]
+    run = z_skip <= z_exec  # a tie executes
+    km = tok[:, None] & (g < G)[None, :]
+    tl.store(keep + t[:, None] * G + g[None, :], run.to(tl.uint8), mask=km)
+    tl.store(keepf + t[:, None] * G + g[None, :], run.to(tl.float32), mask=km)
+    inv = tl.rsqrt(ss / D + eps)
+    for k0 in range(0, D, BK):
+        ok = tok[:, None] & (k0 + kk < D)[None, :]
+        offs = t[:, None].to(tl.int64) * D + k0 + kk[None, :]
+        hv = tl.load(x + offs, mask=ok, other=0.0)
+        if HAS_RES:
+            hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
+            tl.store(h_out + offs, hv, mask=ok)
+        n = (hv.to(tl.float32) * inv[:, None]).to(hv.dtype)
+        wt = tl.load(nw + k0 + kk, mask=k0 + kk < D, other=0.0)
+        tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)

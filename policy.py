@@ -17,7 +17,8 @@ from typing import NamedTuple
 GEMV_MAX_TOKENS = 16  # gemm_mn / gemm_k: at most this many tokens run the decode GEMV (mask read directly,
                       # no layout; the only path that reads fp8 codes); more run token tiles
 NORM_ROUTE_TILE = 4  # norm_route: tokens per program; each tile's last program applies the router's second
-                     # Linear token by token, and a step of one tile also gets its live list
+                     # Linear token by token, and a step of one tile also gets its live list ...
+NORM_ROUTE_SPLIT_MAX_TOKENS = 64  # ... in steps of at most this many tokens; longer ones run its row-tile kernel
 
 
 class Shape(NamedTuple):
@@ -107,7 +108,9 @@ class Policy:
     # run the dense model's through WIDE's kernels with every group live on the weight codes (weights only).
     # `python -m bench.e2e --only fp8` times the dense fp8 decode both ways and keeps the faster.
     fp8_scaled_mm_min_tokens: int = 1
-    router_max_tokens: int = 64            # longer steps run the router module itself (two fp32 GEMMs)
+    # Steps longer than this run the router module itself after the norm (two fp32 GEMMs and the rule, op by
+    # op); the default sends every step to norm_route, whose row-tile kernel takes prefill chunks in one launch.
+    router_max_tokens: int = 1 << 20
     dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
     # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa" (with
     # the model's causal-mask rows, which rules out flash); the Triton kernel was the faster on the H200.
@@ -176,7 +179,8 @@ class Policy:
         if router is None:
             return Op("norm", "Triton", kernels=("rms_norm_kernel",))
         if router == "wide" and shape.tokens <= self.router_max_tokens:
-            return Op("norm_route", "Triton", kernels=("norm_route_kernel",))
+            split = shape.tokens <= NORM_ROUTE_SPLIT_MAX_TOKENS  # decode-sized: the ranks split over programs
+            return Op("norm_route", "Triton", kernels=("norm_route_kernel" if split else "norm_route_rows_kernel",))
         return Op("norm_then_router", "Triton + torch", kernels=("rms_norm_kernel",))
 
     def qkv_op(self, shape, router, w):

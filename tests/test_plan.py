@@ -184,7 +184,10 @@ def test_the_thresholds_move_ops_between_triton_and_cublas():
     assert [where(M, False, "qkv") for M in (64, 1023, 1024, 2048)] == ["cuBLAS", "cuBLAS"] + ["Triton + cuBLAS"] * 2
     assert [where(M, False, "gate_up") for M in (1023, 2048, 4096)] == ["cuBLAS", "Triton", "Triton"]
     assert [where(M, False, "down") for M in (1024, 4096)] == ["cuBLAS", "cuBLAS"]  # gemm_k cannot skip in prefill
-    assert where(64, True, "attn_norm") == "Triton" and where(65, True, "attn_norm") == "Triton + torch"
+    kernels = lambda pol, M: pol.plan(policy.Shape(M, False), routed).layers[0]["attn_norm"].kernels
+    assert kernels(p, 64) == ("norm_route_kernel",) and kernels(p, 65) == ("norm_route_rows_kernel",)
+    assert where(4096, False, "attn_norm") == "Triton"  # the router in the norm's launch at any length
+    assert kernels(policy.Policy(router_max_tokens=64), 65) == ("rms_norm_kernel",)  # then the module itself
     # the dense model's linears: WIDE's kernels with every group live up to dense_gemv_max_tokens, then cuBLAS
     linears = lambda pol, M: {op.kind for name, op in pol.plan(policy.Shape(M, True), [(None, None)]).layers[0].items()
                               if name in ("qkv", "o", "gate_up", "down")}
