@@ -26,7 +26,7 @@ import kernels_gemv
 from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
-from kernels_step import norm_route, quantize_rows, quantize_rows_ref, rms_norm, rope_and_store
+from kernels_step import norm_route, quantize_rows, quantize_rows_ref, rms_norm, rope_and_store, swiglu_rows
 from policy import GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS, Plan, Policy, Shape
 from wide import shared_by_vote
 
@@ -394,11 +394,8 @@ class Engine:
             pruned = mask if op.kind == "cublas_masked" else None
             if ops["down"].weights == "fp8 x fp8":  # silu(gate) * up and the zeros, as down's fp8 input: one launch
                 a = quantize_rows(gu, swiglu=True, mask=pruned, group_size=gs if pruned is not None else 0)
-            else:
-                g, u = gu.split(I, dim=-1)
-                a = F.silu(g) * u
-                if pruned is not None:
-                    a = (a.view(M, -1, gs) * pruned[..., None]).view(M, -1)  # zero the pruned channel groups
+            else:  # silu(gate) * up and the pruned groups' zeros: one launch
+                a = swiglu_rows(gu, mask=pruned, group_size=gs if pruned is not None else 0)
         else:
             # gate+up fused, live channel groups only, silu(gate)*up in the epilogue, pruned slots 0.
             wgu, sgu = self.linear_weights(layer, "gu", op)

@@ -5,6 +5,7 @@ The small fused kernels of an inference step (engine.py), each after its PyTorch
                   decode steps and prefill chunks alike
   rms_norm        RMSNorm (with the residual add) where there is no router; its output as fp8 rows if asked
   rope_and_store  RoPE on q and k, and k, v written into the static KV cache at each token's slot
+  swiglu_rows     silu(gate) * up of a library GEMM's output, the pruned channel groups' zeros in the same launch
   quantize_rows   a linear's input as fp8 rows (per-token e4m3 codes and scale) for kernels.scaled_mm; the
                   SwiGLU product and the pruned channel groups' zeros in the same launch
 
@@ -142,6 +143,50 @@ def _quantize_rows_kernel(x, codes, scale, mask, K, sx, G, GS, SWIGLU: tl.conste
     q, s = _e4m3(v.to(tl.float32), ok)
     tl.store(codes + m.to(tl.int64) * K + c, q.to(codes.dtype.element_ty), mask=ok)
     tl.store(scale + m, s)
+
+
+def swiglu_rows_ref(gu, mask=None, group_size=0):
+    """Twin of swiglu_rows: F.silu(gate) * up, then the pruned channel groups zeroed."""
+    g, u = gu.chunk(2, dim=-1)
+    a = F.silu(g) * u
+    if mask is not None:
+        a = (a.view(a.shape[0], -1, group_size) * mask[..., None]).view(a.shape[0], -1)
+    return a
+
+
+def swiglu_rows(gu, mask=None, group_size=0):
+    """gate and up side by side [M, 2K] (one library GEMM's output) -> silu(gate) * up [M, K], rounded as
+    F.silu(g) * u is, with group g's group_size channels zeroed where mask [M, G] is False (a pruned channel
+    is not even loaded). One launch where torch takes two or three (silu, the product, the zeros)."""
+    check_device(gu)
+    assert gu.dim() == 2 and gu.stride(1) == 1, "rows with contiguous elements"
+    M, K = gu.shape[0], gu.shape[1] // 2
+    a = empty((M, K), gu.dtype, gu.device)
+    BK = min(triton.next_power_of_2(K), 4096)
+    _swiglu_rows_kernel[(M, triton.cdiv(K, BK))](gu, a, gu if mask is None else mask, K, gu.stride(0),
+                                                  1 if mask is None else mask.shape[1], max(1, group_size),
+                                                  MASKED=mask is not None, BK=BK, num_warps=8 if BK >= 2048 else 4,
+                                                  **pdl_args(gu.device))
+    return a
+
+
+@triton.jit
+def _swiglu_rows_kernel(gu, a, mask, K, sx, G, GS, MASKED: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    """A slice of BK channels of one row per program: silu(gate) * up, the pruned groups' channels 0.
+    Grid (rows, cdiv(K, BK)). Skips nothing it writes. Twin: swiglu_rows_ref."""
+    prior_done(PDL)
+    m = tl.program_id(0)
+    c = tl.program_id(1) * BK + tl.arange(0, BK)
+    ok = c < K
+    run = ok
+    if MASKED:  # a pruned channel is not even loaded: it is 0
+        run = ok & (tl.load(mask + m * G + c // GS, mask=ok, other=0) != 0)
+    row = gu + m.to(tl.int64) * sx
+    g = tl.load(row + c, mask=run, other=0.0)
+    u = tl.load(row + K + c, mask=run, other=0.0)
+    gf = g.to(tl.float32)
+    v = ((gf / (1.0 + tl.exp(-gf))).to(u.dtype).to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+    tl.store(a + m.to(tl.int64) * K + c, v, mask=ok)
 
 
 def rope_and_store_ref(q, k, v, step, k_dst, v_dst, H, Hkv, d):

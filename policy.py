@@ -58,7 +58,7 @@ KINDS = {
     "cublas": "one library GEMM (nothing routed here)",
     "cublas_every_head": "one library GEMM for every head's Q, K, V (attention reads the live groups' Q only)",
     "cublas_masked_input": "one library GEMM on the masked input (exact: the pruned slots are zero)",
-    "cublas_masked": "one library GEMM, then the pruned channel groups zeroed (exact)",
+    "cublas_masked": "one library GEMM, then silu(gate)*up with the pruned groups zeroed in one launch (swiglu_rows)",
     "rope": "RoPE + KV-cache write (rope_and_store)",
     "decode_live": "per row, only the KV heads whose head group runs are read (attn_decode's work list)",
     "decode_every": "each row's cache up to its length, every head (attn_decode's work list)",
@@ -149,6 +149,8 @@ class Policy:
             ops["ffn_layout"] = Op("layout", "Triton", kernels=LAYOUT)  # gate+up's tiles read it
         ops["gate_up"] = gate_up
         ops["down"] = self.down_op(shape, ffn_router, w)
+        if gate_up.kind in ("cublas", "cublas_masked") and ops["down"].weights != "fp8 x fp8":
+            ops["gate_up"] = gate_up._replace(kernels=gate_up.kernels + ("swiglu_rows_kernel",))  # SwiGLU, zeros
         for norm, linear in (("attn_norm", "qkv"), ("ffn_norm", "gate_up")):
             if ops[norm].kind == "norm" and ops[linear].weights == "fp8 x fp8":  # the norm quantizes the input
                 ops[norm] = Op("norm_fp8", "Triton", kernels=("rms_norm_kernel",))
@@ -304,4 +306,6 @@ class Plan(NamedTuple):
 def op_line(name, op):
     weights = f" [{op.weights}]" if op.weights else ""
     quantized = "; its input as per-token fp8 rows (quantize_rows)" if "quantize_rows_kernel" in op.kernels else ""
+    if op.kind == "cublas" and "swiglu_rows_kernel" in op.kernels:
+        quantized += "; then silu(gate)*up in one launch (swiglu_rows)"
     return f"    {NAMES[name]:<18} {op.runs:<14} {KINDS[op.kind]}{quantized}{weights}"

@@ -45,7 +45,7 @@ def op_sequence(plan):
 def assign_ops(kernels, plan):
     """kernels: [(name, start_us, end_us)] of one step in launch order -> [(op label, name, us, gap_us)].
     Walks the plan's ops in order: a Triton kernel goes to the next op still due to launch it; a library
-    GEMM to the next op off Triton (cuBLAS, SDPA, torch) that has had none yet, but never past an op with
+    GEMM to the next op off Triton (cuBLAS, SDPA, torch) that has had none yet, but never past another op with
     Triton launches still due (so a GEMM that comes as two kernels stays with its op); anything else to
     the op of the kernel before it."""
     seq = op_sequence(plan)
@@ -59,10 +59,10 @@ def assign_ops(kernels, plan):
             due[at].remove(next(k for k in due[at] if k in name))
         elif is_gemm(name):
             for i in range(at, len(seq)):
-                if i > at and due[i]:
-                    break
-                if seq[i][1].runs != "Triton" and i not in gemmed:
+                if seq[i][1].runs != "Triton" and i not in gemmed:  # (its own Triton launches come after it)
                     at = i
+                    break
+                if i > at and due[i]:
                     break
             gemmed.add(at)
         out.append((seq[at][0], name, t1 - t0, 0.0 if prev_end is None else max(0.0, t0 - prev_end)))

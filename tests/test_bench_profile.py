@@ -37,15 +37,16 @@ def test_triton_kernels_go_to_the_op_that_launches_them_in_order():
 
 
 def test_cublas_gemms_take_the_next_cublas_op_and_small_kernels_stay_with_theirs():
-    # decode B32 under the batch rule: Q/K/V, O, gate+up and down on cuBLAS; silu*up and the residual add
-    # are torch kernels after their GEMM; a split-K reduction belongs to the GEMM before it
+    # decode B32 under the batch rule: Q/K/V, O, gate+up and down on cuBLAS; silu*up (a Triton kernel of
+    # gate+up's op) and the residual add (a torch kernel) after their GEMM; a split-K reduction belongs to the
+    # GEMM before it
     plan = policy.Policy().plan(policy.Shape(32, True, dense_ffn=True), WIDE)
     layer = ["_norm_route_kernel", "nvjet_tst_qkv", "_rope_kernel", "_attn_decode_kernel", "sm90_xmma_gemm_o",
-             "splitKreduce_kernel", "_rms_norm_kernel", "nvjet_gate_up", "vectorized_elementwise_silu",
-             "vectorized_elementwise_mul", "gemv2T_kernel_down", "elementwise_add"]
+             "splitKreduce_kernel", "_rms_norm_kernel", "nvjet_gate_up", "_swiglu_rows_kernel",
+             "gemv2T_kernel_down", "elementwise_add"]
     got = bp.assign_ops(step(["indexSelect"] + layer * 2 + ["_rms_norm_kernel", "nvjet_head"]), plan)
     want = ["embedding"] + ["attn_norm", "qkv", "rope", "attention", "o", "o", "ffn_norm", "gate_up", "gate_up",
-                            "gate_up", "down", "down"] * 2 + ["step_norm", "step_head"]
+                            "down", "down"] * 2 + ["step_norm", "step_head"]
     assert [g[0] for g in got] == want
 
 
@@ -91,7 +92,7 @@ def test_a_gemm_that_comes_as_two_kernels_stays_with_its_op_and_nothing_shifts()
     # not take the next cuBLAS op, or every later kernel would land one op (and one layer) late.
     plan = policy.Policy().plan(policy.Shape(32, True, dense_ffn=True), WIDE)
     layer = ["_norm_route_kernel", "sm90_xmma_gemm_a", "sm90_xmma_gemm_b", "_rope_kernel", "_attn_decode_kernel",
-             "nvjet_o", "_rms_norm_kernel", "nvjet_gate_up", "elementwise_mul", "nvjet_down", "elementwise_add"]
+             "nvjet_o", "_rms_norm_kernel", "nvjet_gate_up", "_swiglu_rows_kernel", "nvjet_down", "elementwise_add"]
     got = bp.assign_ops(step(["indexSelect"] + layer * 2 + ["_rms_norm_kernel", "nvjet_head"]), plan)
     want = ["embedding"] + ["attn_norm", "qkv", "qkv", "rope", "attention", "o", "ffn_norm", "gate_up", "gate_up",
                             "down", "down"] * 2 + ["step_norm", "step_head"]

@@ -161,6 +161,38 @@ def test_norm_route_kernel_skips_when_the_skip_logit_is_larger():
     assert keep.tolist() == [[[False, True, False, True]] * 3] * 2
 
 
+@pytest.mark.parametrize("M, K", [(1, 64), (5, 100), (3, 5000)])  # K: a power of two, not, past one program's slice
+@pytest.mark.parametrize("p_on", [None, 0.0, 0.5, 1.0], ids=["no mask", "all off", "half", "all on"])
+def test_swiglu_rows_matches_its_twin_and_zeroes_the_pruned_groups(launches, M, K, p_on):
+    gen = torch.Generator().manual_seed(M * K)
+    gu = torch.randn(M, 2 * K, generator=gen).to(DEV) * 3
+    gs = 4 if K % 4 == 0 else K
+    mask = None if p_on is None else (torch.rand(M, K // gs, generator=gen) < p_on).to(DEV)
+    got = kernels_step.swiglu_rows(gu, mask, gs if mask is not None else 0)
+    want = kernels_step.swiglu_rows_ref(gu, mask, gs)
+    assert_close(got, want, rtol=1e-6, what="silu(gate) * up (or never written: NaN)")
+    if mask is not None:
+        assert (got[~mask.repeat_interleave(gs, 1)] == 0).all(), "a pruned channel is an exact 0"
+    assert launches.count("swiglu_rows_kernel") == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_swiglu_rows_and_prefill_norm_route_on_the_gpu_in_bf16():
+    # Compiled, in bf16 at the 8B shapes: sigmoid's exp may differ from torch's in the last bit.
+    gen = torch.Generator().manual_seed(0)
+    K, G = 14336, 112
+    gu = torch.randn(300, 2 * K, generator=gen).to(DEV, torch.bfloat16)
+    mask = (torch.rand(300, G, generator=gen) < 0.5).to(DEV)
+    got, want = kernels_step.swiglu_rows(gu, mask, K // G), kernels_step.swiglu_rows_ref(gu, mask, K // G)
+    assert (got != want).float().mean() < 1e-3 and (got.float() - want.float()).abs().max() < 0.05
+    r, norm = wide.Router(4096, G, 32).to(DEV).eval(), RMSNorm(4096, 1e-5).to(DEV, torch.bfloat16)
+    x, res = (torch.randn(1, 300, 4096, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
+    (h, n), keep, _, _ = kernels_step.norm_route(x, norm, r, res)
+    (h_ref, n_ref), keep_ref, _ = kernels_step.norm_route_ref(x, norm, r, res)
+    assert torch.equal(h, h_ref) and (n.float() - n_ref.float()).abs().max() < 0.05
+    assert (keep != keep_ref).float().mean() < 1e-3, "decisions: at most a near-tie's worth differ"
+
+
 def test_fused_weights_are_views_and_change_no_output():
     torch.manual_seed(0)
     m = Transformer(ModelConfig(vocab_size=64, dim=64, n_heads=4, n_kv_heads=2, intermediate_size=128)).to(DEV).eval()

@@ -28,8 +28,8 @@ What is pinned (GS = 16 channels per group; "live" = some token of the step, or 
       (b, KV head) are read up to the last active token of its query heads, and not at all if none is.
   attention_decode: K/V[b, KV head, pos] is read once if some query head of that KV head runs and
       pos < kv_len[b], else never; an inactive query head's q is never read.
-  quantize_rows (an fp8 input for _scaled_mm, SwiGLU and the mask fused): a pruned channel's gate and up
-      are never read.
+  quantize_rows (an fp8 input for _scaled_mm, SwiGLU and the mask fused) and swiglu_rows (the same in the
+      model dtype): a pruned channel's gate and up are never read.
 fp8 weights (quantize_fp8 codes + w_scale) go through the same checks: the decode kernels read the codes;
 gemm_mn's token tiles read the dequantized copy the op makes (the recorder follows the kernel's argument).
 What the kernels write is test_kernels.py's business; here only what they read.
@@ -360,3 +360,15 @@ def test_quantize_rows_never_reads_the_gate_or_up_of_a_pruned_channel(kind, M):
         kernels_step.quantize_rows(randn(M, 2 * K), swiglu=True, mask=mask, group_size=GS)
     runs = mask.repeat_interleave(GS, 1).long()  # [M, K]
     assert torch.equal(rec.reads("_quantize_rows_kernel", "x"), torch.cat([runs, runs], 1))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("M", [1, 5])
+def test_swiglu_rows_never_reads_the_gate_or_up_of_a_pruned_channel(kind, M):
+    # silu(gate) * up after a routed gate+up's library GEMM (prefill chunks): a pruned channel is 0 without a load
+    G, K = 4, 4 * GS
+    mask = step_mask(kind, M, G)
+    with recorded_loads() as rec:
+        kernels_step.swiglu_rows(randn(M, 2 * K), mask=mask, group_size=GS)
+    runs = mask.repeat_interleave(GS, 1).long()  # [M, K]
+    assert torch.equal(rec.reads("_swiglu_rows_kernel", "gu"), torch.cat([runs, runs], 1))
