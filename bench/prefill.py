@@ -16,6 +16,7 @@ bench/step_profile.py), so a length where WIDE loses says which op loses.
 """
 import argparse
 import sys
+import time
 
 import torch
 
@@ -114,9 +115,10 @@ def smoke_run():
 
 @torch.no_grad()
 def time_chunk(run, e, T, start, reps=5):
-    """(eager ms, graph ms, {op: us}) of one chunk of T tokens at positions start..start+T-1 of a one-row cache:
-    eagerly as Server.prefill runs it, and as a CUDA graph (CUDAGraphPrefill at the bucket a chunk of T is padded to,
-    its staging copies included; the op breakdown is of that replay)."""
+    """(eager ms, graph ms, host ms, {op: us}) of one chunk of T tokens at positions start..start+T-1 of a one-row
+    cache: eagerly as Server.prefill runs it, as a CUDA graph (CUDAGraphPrefill at the bucket a chunk of T is padded
+    to, its staging copies included; the op breakdown is of that replay), and the host's time to issue the eager
+    chunk's launches alone."""
     idx = torch.randint(0, e.config.vocab_size, (1, T), device=run.device)
     pos = torch.arange(start, start + T, device=run.device)
     last = torch.tensor([T - 1], device=run.device)
@@ -127,7 +129,15 @@ def time_chunk(run, e, T, start, reps=5):
         return times[len(times) // 2]
     eager = median(step)
     if run.smoke:  # CUDA graphs and the profiler's GPU kernels: nothing more on the CPU
-        return eager, None, {}
+        return eager, None, None, {}
+    # The host's own cost: the chunk's launches issued while a sleep kernel keeps the GPU busy, so the host
+    # never waits on it (start given: no host read of input_pos).
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(1e9))
+    t = time.perf_counter()
+    e(idx, input_pos=pos, logits_at=last, start=start)
+    host = (time.perf_counter() - t) * 1e3
+    torch.cuda.synchronize()
     caches = [layer.self_attn.kv_cache for layer in e.model.layers]
     c = caches[0].k_cache
     stage = [KVCache(1, c.shape[2], c.shape[1], c.shape[3], c.dtype, c.device) for _ in caches]
@@ -144,7 +154,7 @@ def time_chunk(run, e, T, start, reps=5):
     for label, _, us, _ in assign_ops(kernel_events(prof), e.step_plan(bucket, False, start)):
         ops[label] = round(ops.get(label, 0.0) + us, 1)
     del g, stage
-    return eager, graph, ops
+    return eager, graph, host, ops
 
 
 def profile_rows(run, m, routers, name, sparsity, lengths, starts, log, policy):
@@ -157,10 +167,12 @@ def profile_rows(run, m, routers, name, sparsity, lengths, starts, log, policy):
         fill_cache(m, max(starts))
         for start in starts:
             for T in lengths:
-                eager, graph, ops = time_chunk(run, e, T, start)
+                eager, graph, host, ops = time_chunk(run, e, T, start)
                 rows.append(dict(profile=name, start=start, tokens=T, eager_ms=round(eager, 3),
-                                 graph_ms=graph and round(graph, 3), ops=ops, ms_per_1k=round(eager / T * 1e3, 2)))
-                log(f"{name}, start {start}, {T} tokens: {eager:.2f} ms eager, graph {graph or 0:.2f} ms")
+                                 graph_ms=graph and round(graph, 3), host_ms=host and round(host, 3), ops=ops,
+                                 ms_per_1k=round(eager / T * 1e3, 2)))
+                log(f"{name}, start {start}, {T} tokens: {eager:.2f} ms eager, graph {graph or 0:.2f} ms, "
+                    f"host {host or 0:.2f} ms")
         e.clear_caches()
         return rows
     return with_engine(m, sparsity is not None, policy, measure)
@@ -200,6 +212,10 @@ def markdown(rec):
     if rows[0]["graph_ms"]:
         out += ["", "The same chunks as CUDA graph replays (CUDAGraphPrefill: no host launches; not served yet):",
                 ""] + chunk_table(rec, "graph_ms")
+    if rows[0].get("host_ms"):
+        out += ["", "The host's time to issue one eager chunk's launches (ms; the GPU kept busy meanwhile, so the "
+                "host never waits): where it exceeds the graph's time, the host sets the eager chunk's pace:", ""]
+        out += chunk_table(rec, "host_ms")
     seen = {k for r in rows for k in r["ops"]}
     ops = [k for k in ORDER if k in seen] + sorted(seen - set(ORDER))
     if ops:
