@@ -223,6 +223,22 @@ def _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
     on = tl.load(mask + rows * G + g, mask=rok, other=0) > 0
     at = tl.load(a + rows[:, None].to(tl.int64) * sam + k0 + kk[None, :], mask=on[:, None], other=0.0)
     wt = tl.load(w + cols[:, None].to(tl.int64) * swn + k0 + kk[None, :], mask=cok[:, None], other=0.0)
+    return _gemm_k_math(acc, at, wt, BM, IEEE, F16)
+
+
+@triton.jit
+def _gemm_k_first(acc, a, wt, mask, rows, rok, g, step, G, sam, GS: tl.constexpr, BM: tl.constexpr,
+                  BK: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
+    # _gemm_k_block with its weight slice already loaded (PREFETCH: before the PDL wait)
+    k0 = g * GS + step * BK
+    kk = tl.arange(0, BK)
+    on = tl.load(mask + rows * G + g, mask=rok, other=0) > 0
+    at = tl.load(a + rows[:, None].to(tl.int64) * sam + k0 + kk[None, :], mask=on[:, None], other=0.0)
+    return _gemm_k_math(acc, at, wt, BM, IEEE, F16)
+
+
+@triton.jit
+def _gemm_k_math(acc, at, wt, BM: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
     if BM == 1:
         acc += tl.sum(codes_f32(wt, F16 > 0) * at.to(tl.float32), 1)[None, :]
     elif F16 == 2:  # fp8 codes and activations as f16 (exact for bf16 values within f16's range, |a| < 65504)
@@ -239,7 +255,7 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, 
                    GS: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, HAS_RES: tl.constexpr,
                    FP8: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr, HAS_LIVE: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """out[t, n] = sum over the groups g that token t runs of a[t, g-slice] . w[n, g-slice].
 
     Grid (cdiv(M,BM) * cdiv(N,BN),), L2-grouped. Tokens stay in their original order, so the
@@ -254,9 +270,13 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, 
     epilogue adds a residual, rounded as `res + (a @ w.T)` is. FP8: w holds e4m3 codes (the skipped
     groups' bytes are still never read); the fp32 sum is multiplied by output channel n's scale ws[n]
     before the residual add. HAS_LIVE (decode, one token tile): the groups come from the router's live list
-    (norm_route) instead of the tile's own scan of the mask. PDL: see kernels_base.prior_done. Twin: gemm_k_ref.
+    (norm_route) instead of the tile's own scan of the mask. PREFETCH (with HAS_LIVE): before the PDL wait the
+    program reads the live list and loads its first weight slice, so its weight stream starts while the
+    kernel before it drains. That list is no output of the kernel just before this one (norm_route runs two or
+    more launches earlier: attention or the gate+up GEMV come between), and a kernel that starts early always
+    finds the one before its predecessor finished (kernels_base.prior_done). PDL: see kernels_base.prior_done.
+    Twin: gemm_k_ref.
     """
-    prior_done(PDL)
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     first = pid // (GROUP_M * n_n) * GROUP_M
@@ -268,6 +288,14 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, 
     rok, cok = rows < M, cols < N
     STEPS: tl.constexpr = GS // BK
     split = tl.program_id(1)
+    if PREFETCH:  # this program's first (group, slice) of the live list, and its weight columns
+        per0 = tl.cdiv(tl.load(live), SPLIT)
+        lo0, hi0 = split * per0 * STEPS, tl.minimum(split * per0 + per0, tl.load(live)) * STEPS
+        g0 = tl.load(live + 1 + tl.minimum(lo0 // STEPS, G - 1))  # (a listed group even where lo0 >= hi0)
+        kk0 = tl.arange(0, BK)
+        w0 = tl.load(w + cols[:, None].to(tl.int64) * swn + g0 * GS + (lo0 % STEPS) * BK + kk0[None, :],
+                     mask=cok[:, None] & (lo0 + kk0 * 0 < hi0)[None, :], other=0.0)
+    prior_done(PDL)
     if HAS_LIVE:  # the router's live list (the tile holds every token of the step): its groups, at once
         n_live = tl.load(live)
         lst = live + 1
@@ -284,14 +312,24 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, 
     acc = tl.zeros([BM, BN], tl.float32)
     if n_live == G:  # every group is live (the usual case at random masks): plain K loop
         per = tl.cdiv(G, SPLIT)
-        for it in range(split * per * STEPS, tl.minimum(split * per + per, G) * STEPS):
+        lo, hi = split * per * STEPS, tl.minimum(split * per + per, G) * STEPS
+        if PREFETCH:  # the first slice is at hand (all live: the list is 0, 1, ..., so g0 == lo // STEPS)
+            if lo < hi:
+                acc = _gemm_k_first(acc, a, w0, mask, rows, rok, g0, lo % STEPS, G, sam, GS, BM, BK, IEEE, F16)
+            lo += 1
+        for it in range(lo, hi):
             acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G,
                                sam, swn, GS, BM, BK, IEEE, F16)
     else:
         # WIDE skip: only the listed groups (some token of the tile runs them) are visited; a dead group's
         # weight columns are never read
         per = tl.cdiv(n_live, SPLIT)
-        for it in range(split * per * STEPS, tl.minimum(split * per + per, n_live) * STEPS):
+        lo, hi = split * per * STEPS, tl.minimum(split * per + per, n_live) * STEPS
+        if PREFETCH:
+            if lo < hi:
+                acc = _gemm_k_first(acc, a, w0, mask, rows, rok, g0, lo % STEPS, G, sam, GS, BM, BK, IEEE, F16)
+            lo += 1
+        for it in range(lo, hi):
             acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
                                it % STEPS, G, sam, swn, GS, BM, BK, IEEE, F16)
     ok = rok[:, None] & cok[None, :]
@@ -409,6 +447,6 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
                          BN=cfg["BN"], BK=pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, SPLIT=split,
                          HAS_RES=residual is not None, FP8=w_scale is not None, IEEE=ieee,
                          F16=0 if w_scale is None else min(cfg.get("F16", 1), 1 if ieee else 2),
-                         HAS_LIVE=live is not None, **launch_args(cfg),
-                         **pdl_args(a.device))
+                         HAS_LIVE=live is not None, PREFETCH=bool(cfg.get("PREFETCH")) and live is not None,
+                         **launch_args(cfg), **pdl_args(a.device))
     return out

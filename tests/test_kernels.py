@@ -180,6 +180,34 @@ def test_decode_gemm_k_with_the_routers_live_list_matches_twin(M, p_on):
     assert_close(out, kernels.gemm_k_ref(a, w, mask, 16, residual=res))
 
 
+@pytest.mark.parametrize("p_on", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("split", [1, 2, 8])  # 8 programs for 6 groups: some get none, so nothing to prefetch
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_gemm_k_prefetching_its_first_weight_slice_matches_twin(launches, p_on, split, fp8):
+    # config PREFETCH: one token with the router's live list loads its first (group, slice) of weights
+    # before the PDL wait, then the loop takes the rest; with FMA and without, BK smaller than a group.
+    gen = torch.Generator().manual_seed(70 + split)
+    K, N = 6 * 32, 40
+    a, w, res = randn(1, K, gen=gen), randn(N, K, gen=gen), randn(1, N, gen=gen)
+    mask = make_mask((1, 6), p_on, gen)
+    if p_on == 0.5:
+        mask[:, ::2] = False
+    scale = None
+    if fp8:
+        w, scale = kernels.quantize_fp8(w)
+    garbage = torch.where(mask.repeat_interleave(32, 1), a, torch.full_like(a, float("nan")))
+    tickets = torch.zeros(64, dtype=torch.int32, device=DEV)
+    for fma in (False, True):
+        out = kernels.gemm_k(garbage, w, mask, 32, residual=res, tickets=tickets, w_scale=scale,
+                             live=kernels_step.live_ref(mask),
+                             config={"PREFETCH": True, "SPLIT": split, "BK": 16, "FMA": fma})
+        assert_close(out, kernels.gemm_k_ref(a, w, mask, 32, residual=res, w_scale=scale))
+        assert (tickets == 0).all()
+    assert all(c["PREFETCH"] for c in launches.constants["gemm_k_kernel"])
+    kernels.gemm_k(a, w, mask, 32, w_scale=scale, config={"PREFETCH": True})  # no live list: nothing to prefetch by
+    assert not launches.constants["gemm_k_kernel"][-1]["PREFETCH"]
+
+
 def test_decode_gemm_k_with_a_long_reduction_splits_the_live_groups(launches):
     # The down projection's shape class: K >= 8192 (LONG_K on a GPU) and one token. The live groups
     # are shared out over SPLIT programs (grid axis 1) whose fp32 partials are summed in a fixed order.
@@ -458,8 +486,9 @@ def pdl_kernels():
     return found
 
 
-# What a kernel may read before its wait: weights, which no kernel of a step writes (the router's, the norm's).
-READ_BEFORE_WAIT = {"_norm_route_kernel": {"wd", "bd", "wu", "bu", "nw"}}
+# What a kernel may read before its wait: weights, which no kernel of a step writes (the router's, the norm's),
+# and gemm_k's live list, which norm_route wrote two or more launches before (see _gemm_k_kernel: PREFETCH).
+READ_BEFORE_WAIT = {"_norm_route_kernel": {"wd", "bd", "wu", "bu", "nw"}, "_gemm_k_kernel": {"w", "swn", "live"}}
 
 
 def test_every_kernel_that_takes_pdl_waits_before_its_first_load_or_store():

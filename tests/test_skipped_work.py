@@ -22,8 +22,9 @@ What is pinned (GS = 16 channels per group; "live" = some token of the step, or 
   gemm_mn, decode GEMV (M <= 16): each weight row (and fp8 scale) of a live group or of the dense tail
       is read exactly once, with any number of programs; a dead group's rows never.
   gemm_k (decode with its split, short and long K, its groups from its own scan or the router's live
-      list; and the token tiles): group g's weight columns are read once per token tile in which g is
-      live, never otherwise; a pruned a-slot is never read.
+      list, its first weight slice loaded before the PDL wait or not; and the token tiles): group g's
+      weight columns are read once per token tile in which g is live, never otherwise; a pruned a-slot
+      is never read.
   attention_prefill: q[b, h, t] is read once if token t runs h's group, else never; the K/V of
       (b, KV head) are read up to the last active token of its query heads, and not at all if none is.
   attention_decode: K/V[b, KV head, pos] is read once if some query head of that KV head runs and
@@ -272,17 +273,18 @@ def test_qkv_gemv_with_rope_in_its_epilogue_still_never_reads_a_dead_groups_rows
 @pytest.mark.parametrize("long_k", [False, True], ids=["short K", "long K"])
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("source", ["own list", "router's list"])
+@pytest.mark.parametrize("source", ["own list", "router's list", "router's list, prefetched"])
 def test_decode_gemm_k_never_reads_the_weight_columns_of_a_group_no_token_runs(kind, M, long_k, fmt, source):
     K = kernels_base.LONG_K if long_k else kernels_base.LONG_K - GS  # the long-K variant splits from LONG_K on
     G, N = K // GS, 64
     mask = step_mask(kind, M, G)
     w, ws = weight(fmt, N, K)
-    if source == "router's list" and long_k:
+    if source != "own list" and long_k:
         pytest.skip("the router's list replaces the same scan in both K variants: one suffices")
-    live = kernels_step.live_ref(mask) if source == "router's list" else None
-    with recorded_loads() as rec:
-        kernels.gemm_k(randn(M, K), w, mask, GS, w_scale=ws, live=live)
+    live = kernels_step.live_ref(mask) if source != "own list" else None
+    with recorded_loads() as rec:  # PREFETCH: the first slice before the PDL wait, then the loop the rest
+        kernels.gemm_k(randn(M, K), w, mask, GS, w_scale=ws, live=live,
+                       config=dict(PREFETCH=True) if source.endswith("prefetched") else None)
     # The split programs share a tile's live groups out: each live group's columns are read exactly once.
     assert torch.equal(rec.reads("_gemm_k_kernel", "w"), per_column(mask.any(0).long(), N))
     a_read = rec.reads("_gemm_k_kernel", "a") > 0
