@@ -326,6 +326,15 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
 
 
 @triton.jit
+def _residual_add(x, res, offs, ok, HAS_RES: tl.constexpr):
+    # h = res + x, rounded to the model dtype as `x + a` is (or x alone)
+    hv = tl.load(x + offs, mask=ok, other=0.0)
+    if HAS_RES:
+        hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
+    return hv
+
+
+@triton.jit
 def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, live, tickets, M, D, R, G,
                        CW, HAS_RES: tl.constexpr, LIVE: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
                        BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr, CWP: tl.constexpr, ONE_PASS: tl.constexpr,
@@ -366,11 +375,8 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
     acc = tl.zeros([BT, RB, BK], tl.float32)
     ss = tl.zeros([BT], tl.float32)
     for k0 in range(0, D, BK):
-        ok = tok[:, None] & (k0 + kk < D)[None, :]
-        offs = t[:, None].to(tl.int64) * D + k0 + kk[None, :]
-        hv = tl.load(x + offs, mask=ok, other=0.0)
-        if HAS_RES:
-            hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
+        ok, offs = tok[:, None] & (k0 + kk < D)[None, :], t[:, None].to(tl.int64) * D + k0 + kk[None, :]
+        hv = _residual_add(x, res, offs, ok, HAS_RES)
         hf = hv.to(tl.float32)
         ss += tl.sum(hf * hf, 1)
         if ONE_PASS:
@@ -383,11 +389,9 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
     tl.store(z + t[:, None] * R + r[None, :], zt, mask=tok[:, None] & (r < R)[None, :])
     # h and RMSNorm(h) for this program's slice of CW columns (every program has its tokens' sums of
     # squares), so the write-out is spread over the grid instead of one program's serial loop.
-    ok = tok[:, None] & cok[None, :]
-    offs = t[:, None].to(tl.int64) * D + c[None, :]
-    hv = tl.load(x + offs, mask=ok, other=0.0)
+    ok, offs = tok[:, None] & cok[None, :], t[:, None].to(tl.int64) * D + c[None, :]
+    hv = _residual_add(x, res, offs, ok, HAS_RES)
     if HAS_RES:
-        hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
         tl.store(h_out + offs, hv, mask=ok)
     n = (hv.to(tl.float32) * tl.rsqrt(ss / D + eps)[:, None]).to(hv.dtype)
     tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
@@ -432,11 +436,8 @@ def _norm_route_rows_kernel(x, res, h_out, y, nw, eps, wd, bd, wu, bu, keep, kee
     z = tl.zeros([BT, RP], tl.float32)
     ss = tl.zeros([BT], tl.float32)
     for k0 in range(0, D, BK):
-        ok = tok[:, None] & (k0 + kk < D)[None, :]
-        offs = t[:, None].to(tl.int64) * D + k0 + kk[None, :]
-        hv = tl.load(x + offs, mask=ok, other=0.0)
-        if HAS_RES:
-            hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
+        ok, offs = tok[:, None] & (k0 + kk < D)[None, :], t[:, None].to(tl.int64) * D + k0 + kk[None, :]
+        hv = _residual_add(x, res, offs, ok, HAS_RES)
         hf = hv.to(tl.float32)
         ss += tl.sum(hf * hf, 1)
         w = tl.load(wd + rr[:, None] * D + k0 + kk[None, :], mask=(rr < R)[:, None] & (k0 + kk < D)[None, :],
@@ -455,11 +456,9 @@ def _norm_route_rows_kernel(x, res, h_out, y, nw, eps, wd, bd, wu, bu, keep, kee
     tl.store(keepf + t[:, None] * G + g[None, :], run.to(tl.float32), mask=km)
     inv = tl.rsqrt(ss / D + eps)
     for k0 in range(0, D, BK):
-        ok = tok[:, None] & (k0 + kk < D)[None, :]
-        offs = t[:, None].to(tl.int64) * D + k0 + kk[None, :]
-        hv = tl.load(x + offs, mask=ok, other=0.0)
+        ok, offs = tok[:, None] & (k0 + kk < D)[None, :], t[:, None].to(tl.int64) * D + k0 + kk[None, :]
+        hv = _residual_add(x, res, offs, ok, HAS_RES)
         if HAS_RES:
-            hv = (tl.load(res + offs, mask=ok, other=0.0).to(tl.float32) + hv.to(tl.float32)).to(hv.dtype)
             tl.store(h_out + offs, hv, mask=ok)
         n = (hv.to(tl.float32) * inv[:, None]).to(hv.dtype)
         wt = tl.load(nw + k0 + kk, mask=k0 + kk < D, other=0.0)

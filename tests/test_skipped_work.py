@@ -353,24 +353,19 @@ def test_decode_attention_never_reads_the_kv_cache_of_a_kv_head_whose_query_head
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("M", [1, 5])
-def test_quantize_rows_never_reads_the_gate_or_up_of_a_pruned_channel(kind, M):
-    # down's fp8 input on the library path (a routed FFN past the decode kernels): silu(gate) * up of the
-    # channels the token runs, each read once; a pruned channel is a 0 code without a load.
+@pytest.mark.parametrize("fp8", [True, False], ids=["quantize_rows", "swiglu_rows"])
+def test_swiglu_never_reads_the_gate_or_up_of_a_pruned_channel(kind, M, fp8):
+    # silu(gate) * up after a routed gate+up's library GEMM, as down's fp8 input (quantize_rows) or in the model
+    # dtype (swiglu_rows): the channels the token runs, each read once; a pruned channel is 0 without a load.
     G, K = 4, 4 * GS
     mask = step_mask(kind, M, G)
+    gu = randn(M, 2 * K)
     with recorded_loads() as rec:
-        kernels_step.quantize_rows(randn(M, 2 * K), swiglu=True, mask=mask, group_size=GS)
+        if fp8:
+            kernels_step.quantize_rows(gu, swiglu=True, mask=mask, group_size=GS)
+        else:
+            kernels_step.swiglu_rows(gu, mask=mask, group_size=GS)
     runs = mask.repeat_interleave(GS, 1).long()  # [M, K]
-    assert torch.equal(rec.reads("_quantize_rows_kernel", "x"), torch.cat([runs, runs], 1))
+    read = rec.reads("_quantize_rows_kernel", "x") if fp8 else rec.reads("_swiglu_rows_kernel", "gu")
+    assert torch.equal(read, torch.cat([runs, runs], 1))
 
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("M", [1, 5])
-def test_swiglu_rows_never_reads_the_gate_or_up_of_a_pruned_channel(kind, M):
-    # silu(gate) * up after a routed gate+up's library GEMM (prefill chunks): a pruned channel is 0 without a load
-    G, K = 4, 4 * GS
-    mask = step_mask(kind, M, G)
-    with recorded_loads() as rec:
-        kernels_step.swiglu_rows(randn(M, 2 * K), mask=mask, group_size=GS)
-    runs = mask.repeat_interleave(GS, 1).long()  # [M, K]
-    assert torch.equal(rec.reads("_swiglu_rows_kernel", "gu"), torch.cat([runs, runs], 1))
