@@ -33,6 +33,8 @@ def tune_table(s):
            v(4, 1, BN=16, BK=512, programs_per_sm=2, DOT=True), v(4, 1, BN=64, BK=128, programs_per_sm=2, DOT=True),
            v(8, 1, BN=32, BK=512, programs_per_sm=1, DOT=True), v(4, 1, BN=16, BK=256, programs_per_sm=4, DOT=True),
            v(4, 3, BN=32, BK=256, programs_per_sm=2, DOT=True), v(8, 1, BN=64, BK=256, programs_per_sm=1, DOT=True)]
+    # PREFETCH: the current config with the first live slice's weights loaded before the PDL wait
+    pre = lambda key: dict(kernels_base.CONFIGS[key], PREFETCH=True)
     return {
         "gemm_mn_fused": (lambda: case_gate_up(s, M), [v(8, 2, block_m=128, BN=128, BK=128),
                                                        v(8, 4, block_m=256, BN=64, BK=64)]),
@@ -48,10 +50,12 @@ def tune_table(s):
                                                    v(4, 1, BN=8, BK=1024, programs_per_sm=2)]),
         "gemm_k_small_long_k": (lambda: case_k(s, 1, FFN, s.ffn_gs, "down"), [
             v(4, 6, BM=16, BN=64, BK=128, SPLIT=8), v(4, 4, BM=16, BN=128, BK=128, SPLIT=8),
-            v(4, 6, BM=16, BN=64, BK=64, SPLIT=8), v(4, 6, BM=16, BN=128, BK=128, SPLIT=4), *fma]),
+            v(4, 6, BM=16, BN=64, BK=64, SPLIT=8), v(4, 6, BM=16, BN=128, BK=128, SPLIT=4), *fma,
+            pre("gemm_k_small_long_k")]),
         "gemm_k_small": (lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj"), [
             v(4, 6, BM=16, BN=32, BK=128), v(4, 6, BM=16, BN=32, BK=128, SPLIT=2),
-            v(4, 6, BM=16, BN=64, BK=128, SPLIT=8), v(4, 6, BM=16, BN=32, BK=128, SPLIT=8), *fma]),
+            v(4, 6, BM=16, BN=64, BK=128, SPLIT=8), v(4, 6, BM=16, BN=32, BK=128, SPLIT=8), *fma,
+            pre("gemm_k_small")]),
         # fp8 codes: the one-token GEMVs want longer K slices; gemm_k's FMA rows skip the bf16 conversion
         # a 16-row tl.dot makes of every code (kernels._gemm_k_block).
         "gemv_mn_1_fused_fp8": (lambda: case_gate_up(s, 1, fp8=True), [
@@ -68,12 +72,13 @@ def tune_table(s):
             v(4, 6, BM=16, BN=128, BK=128, SPLIT=8, F16=0), v(4, 6, BM=16, BN=128, BK=128, SPLIT=8, F16=2),
             v(4, 6, BM=16, BN=64, BK=128, SPLIT=4), v(4, 6, BM=16, BN=64, BK=128, SPLIT=4, F16=2),
             v(4, 6, BM=16, BN=64, BK=128, SPLIT=8), v(4, 4, BM=16, BN=128, BK=128, SPLIT=16, F16=2),
-            v(4, 4, BM=16, BN=256, BK=128, SPLIT=16, F16=2), v(8, 4, BM=16, BN=256, BK=128, SPLIT=8, F16=2), *fma]),
+            v(4, 4, BM=16, BN=256, BK=128, SPLIT=16, F16=2), v(8, 4, BM=16, BN=256, BK=128, SPLIT=8, F16=2), *fma,
+            pre("gemm_k_small_long_k_fp8")]),
         "gemm_k_small_fp8": (lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj", fp8=True), [
             v(4, 6, BM=16, BN=32, BK=128, SPLIT=2), v(4, 6, BM=16, BN=32, BK=128, SPLIT=4, F16=0),
             v(4, 6, BM=16, BN=32, BK=128, SPLIT=4, F16=2), v(4, 6, BM=16, BN=64, BK=128, SPLIT=4),
             v(4, 4, BM=16, BN=64, BK=256, SPLIT=8, F16=2), v(4, 4, BM=16, BN=32, BK=256, SPLIT=8, F16=2),
-            v(4, 6, BM=16, BN=16, BK=128, SPLIT=8, F16=2), *fma]),
+            v(4, 6, BM=16, BN=16, BK=128, SPLIT=8, F16=2), *fma, pre("gemm_k_small_fp8")]),
         "attn_prefill": (lambda: case_prefill_attention(s), [v(8, 2, BM=128, BN=128)]),
         "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16),
                                                            v(8, 3, BN=128, programs_per_sm=2), v(4, 3, BN=128, programs_per_sm=4)]),
