@@ -343,7 +343,8 @@ def command_line(doc, script, results, only, argv=None):
     check: (args, argv, the Setup to run)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     p = common.parser(doc, script, results)
-    p.add_argument("--only", default="", help=f"only the {only} whose name contains this")
+    p.add_argument("--only", type=lambda v: [w for w in v.split(",") if w], default=[],
+                   help=f"only the {only} whose name contains one of these (comma-separated)")
     args = p.parse_args(argv)
     common.prepare(args, script, argv, results)
     return args, argv, smoke_setup() if args.smoke else gpu_setup()

@@ -4,6 +4,7 @@ live and 50% skipped) and timed as bench/ops.py times that op (decode-sized ops 
 
     python -m bench.tune              # every CONFIGS key below -> results/kernels_h200_tune.{json,md}
     python -m bench.tune --only fp8   # only the keys whose name contains "fp8"
+    python -m bench.tune --only fp8,gemm_k_small   # ... "fp8" or "gemm_k_small"
     TRITON_INTERPRET=1 python -m bench.tune --smoke   # each key's first and last variant on the CPU (CI)
 
 The variants are passed to the ops as config= (CONFIGS itself is never rewritten); a key's first row is
@@ -72,13 +73,13 @@ def tune_table(s):
             v(4, 6, BM=16, BN=128, BK=128, SPLIT=8, F16=0), v(4, 6, BM=16, BN=128, BK=128, SPLIT=8, F16=2),
             v(4, 6, BM=16, BN=64, BK=128, SPLIT=4), v(4, 6, BM=16, BN=64, BK=128, SPLIT=4, F16=2),
             v(4, 6, BM=16, BN=64, BK=128, SPLIT=8), v(4, 4, BM=16, BN=128, BK=128, SPLIT=16, F16=2),
-            v(4, 4, BM=16, BN=256, BK=128, SPLIT=16, F16=2), v(8, 4, BM=16, BN=256, BK=128, SPLIT=8, F16=2), *fma,
-            pre("gemm_k_small_long_k_fp8")]),
+            v(4, 4, BM=16, BN=256, BK=128, SPLIT=16, F16=2), v(8, 4, BM=16, BN=256, BK=128, SPLIT=8, F16=2),
+            pre("gemm_k_small_long_k_fp8"), *fma]),
         "gemm_k_small_fp8": (lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj", fp8=True), [
             v(4, 6, BM=16, BN=32, BK=128, SPLIT=2), v(4, 6, BM=16, BN=32, BK=128, SPLIT=4, F16=0),
             v(4, 6, BM=16, BN=32, BK=128, SPLIT=4, F16=2), v(4, 6, BM=16, BN=64, BK=128, SPLIT=4),
             v(4, 4, BM=16, BN=64, BK=256, SPLIT=8, F16=2), v(4, 4, BM=16, BN=32, BK=256, SPLIT=8, F16=2),
-            v(4, 6, BM=16, BN=16, BK=128, SPLIT=8, F16=2), *fma, pre("gemm_k_small_fp8")]),
+            v(4, 6, BM=16, BN=16, BK=128, SPLIT=8, F16=2), pre("gemm_k_small_fp8"), *fma]),
         "attn_prefill": (lambda: case_prefill_attention(s), [v(8, 2, BM=128, BN=128)]),
         "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16),
                                                            v(8, 3, BN=128, programs_per_sm=2), v(4, 3, BN=128, programs_per_sm=4)]),
@@ -89,7 +90,7 @@ def run_tune(s, args, argv):
     """Every variant checked (all groups on and 50% skipped) and timed as the kernel table times it."""
     results = {}
     for key, (factory, variants) in tune_table(s).items():
-        if args.only and args.only not in key:
+        if args.only and not any(w in key for w in args.only):
             continue
         case = factory()
         half, full = rand_mask(s, case.mask_shape, 0.5), rand_mask(s, case.mask_shape, 0.0)

@@ -152,6 +152,13 @@ def test_tune_times_each_config_passed_to_the_op(tmp_path):
     assert "| attn_decode |" in md and data["meta"]["command"].startswith("python -m bench.tune")
 
 
+def test_tune_takes_several_names_and_checks_the_prefetch_variant(tmp_path):
+    data, _ = smoke(tmp_path, "bench.tune", "--only", "attn_decode,gemm_k_small_long_k")
+    assert set(data["results"]) == {"attn_decode", "gemm_k_small_long_k", "gemm_k_small_long_k_fp8"}
+    last = data["results"]["gemm_k_small_long_k"]["variants"][-1]  # --smoke: the first and the last variant
+    assert last["config"].get("PREFETCH") and "failed" not in last and last["rel_err"] <= 1e-2
+
+
 def test_tune_sweeps_the_fp8_keys_on_fp8_weights_with_an_fma_variant(tmp_path):
     data, _ = smoke(tmp_path, "bench.tune", "--only", "fp8")
     assert set(data["results"]) == {"gemv_mn_1_fused_fp8", "gemv_mn_1_fp8", "gemm_k_small_long_k_fp8", "gemm_k_small_fp8"}
