@@ -18,7 +18,7 @@ import kernels_step
 from conftest import assert_close as _assert_close
 from generate import generate
 from policy import GEMV_MAX_TOKENS, Policy
-from test_e2e import DEV, assert_same_masks, wide_model
+from test_e2e import DEV, assert_same_masks, rel_err, wide_model
 
 
 def assert_close(out, ref, tol=1e-5):
@@ -335,12 +335,28 @@ def test_fp8_activations_and_scaled_mm_on_the_gpu_in_bf16(M):
     _assert_close(kernels.scaled_mm(a, w, s, torch.bfloat16), kernels.scaled_mm_ref(a, w, s, torch.bfloat16), rtol=1e-2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_the_dense_fp8_engine_on_the_gpu_follows_the_model_that_quantizes_its_inputs():
-    m = wide_model(routers=False, dtype=torch.bfloat16)
-    ref_model = dequantized_copy(m, activations=True)
+def logits(f, idx):
+    out = f(idx)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dense_fp8_engine_follows_the_model_that_quantizes_its_inputs(dtype):
+    # A 48-token prefill: every library linear is "fp8 x fp8" (_scaled_mm, or its twin on the CPU). In fp32 on
+    # the CPU the engine quantizes the same values at the same points as the twin model: equal to fp32's
+    # rounding. In bf16, where a value is rounded to bf16 before its per-token quantization moves its e4m3 code
+    # by a step now and then, and through this tiny model that alone moves the logits as far as the bf16 twin
+    # is from the fp32 one (8-17%): the engine must be no farther from the fp32 twin than the bf16 twin is.
+    # (A GPU's _scaled_mm rounds its sums through bf16 in fp32 too, so fp32 is checked exactly on the CPU only.)
+    if dtype == torch.float32 and DEV != "cpu":
+        pytest.skip("exact only where the twin's fp32 sums are the kernel's (the CPU)")
+    m = wide_model(routers=False, dtype=dtype)
     idx = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(3)).to(DEV)
     with torch.no_grad():
-        ref = ref_model(idx)
-        out = engine.Engine(m, weights="fp8")(idx)
-    _assert_close(out, ref[0] if isinstance(ref, tuple) else ref, rtol=2e-2, what="logits")
+        out = logits(engine.Engine(m, weights="fp8"), idx)
+        ref32 = logits(dequantized_copy(wide_model(routers=False), activations=True), idx)
+        if dtype == torch.float32:
+            _assert_close(out, ref32, rtol=1e-4, what="logits")
+            return
+        noise = rel_err(logits(dequantized_copy(m, activations=True), idx), ref32)
+    assert rel_err(out, ref32) <= 1.5 * noise, f"engine {rel_err(out, ref32):.3f} vs bf16 twin {noise:.3f}"
