@@ -273,7 +273,7 @@ def norm_route_ref(x, norm, router, residual=None):
     return (normed, *route_ref(router, x if residual is None else normed[0]))
 
 
-def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=None):
+def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=None, config=None):
     """The start of a sublayer for the tokens of a step, in one launch: h = residual + x (if given),
     RMSNorm(h), and the wide.Router decision on the raw h. Returns (normed, keep bool, keep float, live) with
     normed = norm(x), or (h, norm(h)) with a residual; masks [B, T, G]. live: the step's live list, int32
@@ -298,11 +298,12 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
     keepf = empty((M, G), torch.float32, x.device)
     live = empty((1 + G,), torch.int32, x.device)
     if M > NORM_ROUTE_SPLIT_MAX_TOKENS:  # a prefill chunk: each program a tile of tokens and every rank
-        cfg = config_for("norm_route_rows", None)
+        cfg = config_for("norm_route_rows", config)
         _norm_route_rows_kernel[(triton.cdiv(M, cfg["BT"]),)](
             x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, up.weight, up.bias, keep, keepf, M, D, R, G,
             HAS_RES=residual is not None, BT=cfg["BT"], BK=cfg["BK"], RP=max(16, triton.next_power_of_2(R)),
-            BG=max(16, triton.next_power_of_2(G)), **launch_args(cfg), **pdl_args(x.device))
+            BG=max(16, triton.next_power_of_2(G)), PREC=cfg.get("PREC", "ieee"), **launch_args(cfg),
+            **pdl_args(x.device))
         normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
         return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), None
     BT = max(2, triton.next_power_of_2(min(M, NORM_ROUTE_TILE)))
@@ -418,12 +419,12 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
 @triton.jit(do_not_specialize=["M"])  # chunk lengths: see engine.warm_chunks
 def _norm_route_rows_kernel(x, res, h_out, y, nw, eps, wd, bd, wu, bu, keep, keepf, M, D, R, G,
                             HAS_RES: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
-                            BG: tl.constexpr, PDL: tl.constexpr):
+                            BG: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     """Residual add + RMSNorm + router for a prefill chunk: one program per tile of BT tokens, all of it.
 
     Pass 1 over D: h = res + x (rounded to the model dtype, as `x + a` is), the tile's sums of squares, and
-    the router's first Linear z = h @ wd.T + bd for every rank at once (an fp32 dot: the reference router
-    runs in fp32). Then the second Linear and wide.Router's rule for the tile (skip iff z_skip > z_exec; a
+    the router's first Linear z = h @ wd.T + bd for every rank at once (fp32-accurate dots, config PREC: the
+    reference router runs in fp32). Then the second Linear and wide.Router's rule for the tile (skip iff z_skip > z_exec; a
     tie executes). Pass 2 over D (the tile's rows again, now from L2): h and RMSNorm(h) written. No ticket
     and no hand-over: every program owns its tokens. Skips nothing. Twin: norm_route_ref."""
     tile = tl.program_id(0)
@@ -442,14 +443,14 @@ def _norm_route_rows_kernel(x, res, h_out, y, nw, eps, wd, bd, wu, bu, keep, kee
         ss += tl.sum(hf * hf, 1)
         w = tl.load(wd + rr[:, None] * D + k0 + kk[None, :], mask=(rr < R)[:, None] & (k0 + kk < D)[None, :],
                     other=0.0)
-        z = tl.dot(hf, tl.trans(w), z, input_precision="ieee")
+        z = tl.dot(hf, tl.trans(w), z, input_precision=PREC)
     z += tl.load(bd + rr, mask=rr < R, other=0.0)[None, :]
     wm = (g < G)[:, None] & (rr < R)[None, :]
     w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
     w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
-    z_exec = tl.dot(z, tl.trans(w_exec), input_precision="ieee") + tl.load(bu + 2 * g, mask=g < G, other=0.0)[None, :]
-    z_skip = tl.dot(z, tl.trans(w_skip), input_precision="ieee") + tl.load(bu + 2 * g + 1, mask=g < G,
-                                                                           other=0.0)[None, :]
+    z_exec = tl.dot(z, tl.trans(w_exec), input_precision=PREC) + tl.load(bu + 2 * g, mask=g < G, other=0.0)[None, :]
+    z_skip = tl.dot(z, tl.trans(w_skip), input_precision=PREC) + tl.load(bu + 2 * g + 1, mask=g < G,
+                                                                         other=0.0)[None, :]
     run = z_skip <= z_exec  # a tie executes
     km = tok[:, None] & (g < G)[None, :]
     tl.store(keep + t[:, None] * G + g[None, :], run.to(tl.uint8), mask=km)
