@@ -275,7 +275,8 @@ class Engine:
                 masks.setdefault(kind, []).append(x.new_ones(*x.shape[:-1], router.n_groups, dtype=torch.float32))
             return rms_norm(x, norm, residual, fp8=op.kind == "norm_fp8"), None, None
         if op.kind == "norm_route":
-            normed, keep, keepf, live = norm_route(x, norm, router, residual, self.tickets)
+            normed, keep, keepf, live = norm_route(x, norm, router, residual, self.tickets,
+                                                   split_max_tokens=self.policy.router_split_max_tokens)
         else:  # "norm_then_router"
             normed = rms_norm(x, norm, residual)
             keepf = router(x if residual is None else normed[0])  # at inference exactly 0 or 1
@@ -463,7 +464,8 @@ def warm_chunks(chunk, positions, policy):
     out = []
     for start in (0, chunk):
         room = min(chunk, positions - start)  # the longest chunk at this start
-        thresholds = (policy.sparse_prefill_min_tokens, policy.router_max_tokens, policy.fp8_scaled_mm_min_tokens)
+        thresholds = (policy.sparse_prefill_min_tokens, policy.router_max_tokens, policy.fp8_scaled_mm_min_tokens,
+                      policy.router_split_max_tokens)
         lengths = set(range(1, small + 1)) | {t + d for t in thresholds for d in (-1, 0, 1)}
         p = 1
         while p < 2 * room:  # each power-of-two bucket up to room's: its longest length and the one below

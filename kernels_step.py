@@ -273,13 +273,14 @@ def norm_route_ref(x, norm, router, residual=None):
     return (normed, *route_ref(router, x if residual is None else normed[0]))
 
 
-def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=None, config=None):
+def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=None, config=None,
+               split_max_tokens=NORM_ROUTE_SPLIT_MAX_TOKENS):
     """The start of a sublayer for the tokens of a step, in one launch: h = residual + x (if given),
     RMSNorm(h), and the wide.Router decision on the raw h. Returns (normed, keep bool, keep float, live) with
     normed = norm(x), or (h, norm(h)) with a residual; masks [B, T, G]. live: the step's live list, int32
     [1 + G] (the number of groups some token runs, those groups ascending, then the others), which the
     decode kernels read instead of scanning the mask; None for a step of more than one token tile.
-    Two kernels: up to NORM_ROUTE_SPLIT_MAX_TOKENS tokens (decode steps) the router's ranks are split over
+    Two kernels: up to split_max_tokens tokens (decode steps) the router's ranks are split over
     programs, so a few tokens still spread over the GPU; longer steps (prefill chunks) give each program a
     tile of tokens and every rank, so the router's weights are read once per tile, not once per 4 tokens.
     tickets: int32 zeros, one per tile of NORM_ROUTE_TILE tokens (the kernel leaves them zero, so a CUDA
@@ -297,7 +298,7 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
     keep = empty((M, G), torch.uint8, x.device)
     keepf = empty((M, G), torch.float32, x.device)
     live = empty((1 + G,), torch.int32, x.device)
-    if M > NORM_ROUTE_SPLIT_MAX_TOKENS:  # a prefill chunk: each program a tile of tokens and every rank
+    if M > split_max_tokens:  # a prefill chunk: each program a tile of tokens and every rank
         cfg = config_for("norm_route_rows", config)
         _norm_route_rows_kernel[(triton.cdiv(M, cfg["BT"]),)](
             x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, up.weight, up.bias, keep, keepf, M, D, R, G,

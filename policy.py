@@ -18,7 +18,8 @@ GEMV_MAX_TOKENS = 16  # gemm_mn / gemm_k: at most this many tokens run the decod
                       # no layout; the only path that reads fp8 codes); more run token tiles
 NORM_ROUTE_TILE = 4  # norm_route: tokens per program; each tile's last program applies the router's second
                      # Linear token by token, and a step of one tile also gets its live list ...
-NORM_ROUTE_SPLIT_MAX_TOKENS = 64  # ... in steps of at most this many tokens; longer ones run its row-tile kernel
+NORM_ROUTE_SPLIT_MAX_TOKENS = 64  # ... in steps of at most this many tokens (Policy.router_split_max_tokens);
+                                  # longer ones run its row-tile kernel
 
 
 class Shape(NamedTuple):
@@ -111,6 +112,10 @@ class Policy:
     # Steps longer than this run the router module itself after the norm (two fp32 GEMMs and the rule, op by
     # op); the default sends every step to norm_route, whose row-tile kernel takes prefill chunks in one launch.
     router_max_tokens: int = 1 << 20
+    # Steps of at most this many tokens take norm_route's split kernel (the router's ranks over programs, tiles of
+    # NORM_ROUTE_TILE tokens: many programs, each reading the tile's rows once per rank); longer ones its row-tile
+    # kernel (one program per 16 tokens, every rank: the rows read once, but few programs for a short chunk).
+    router_split_max_tokens: int = NORM_ROUTE_SPLIT_MAX_TOKENS
     dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
     # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa" (with
     # the model's causal-mask rows, which rules out flash); the Triton kernel was the faster on the H200.
@@ -181,7 +186,7 @@ class Policy:
         if router is None:
             return Op("norm", "Triton", kernels=("rms_norm_kernel",))
         if router == "wide" and shape.tokens <= self.router_max_tokens:
-            split = shape.tokens <= NORM_ROUTE_SPLIT_MAX_TOKENS  # decode-sized: the ranks split over programs
+            split = shape.tokens <= self.router_split_max_tokens  # short: the ranks split over programs
             return Op("norm_route", "Triton", kernels=("norm_route_kernel" if split else "norm_route_rows_kernel",))
         return Op("norm_then_router", "Triton + torch", kernels=("rms_norm_kernel",))
 
