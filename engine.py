@@ -308,7 +308,8 @@ class Engine:
             return F.linear(x, w)
         if not isinstance(x, kernels.Fp8Rows):
             x = quantize_rows(x)
-        return kernels.scaled_mm(x, w, scale, self.model.embed_tokens.weight.dtype)
+        one = self.policy.fp8_tensorwise_one_token and x.codes.shape[0] == 1
+        return kernels.scaled_mm(x, w, scale, self.model.embed_tokens.weight.dtype, tensorwise=one)
 
     def attention(self, layer, ops, x, step, head_mask, head_live, residual):
         """Attention with head_mask bool [B, T, G] or None (dense), head_live its live list (or None). Returns

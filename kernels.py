@@ -62,10 +62,17 @@ def scaled_mm_ref(a, w, w_scale, dtype):
     return ((a.codes.float() @ w.float().t()) * a.scale[:, None] * w_scale[None, :]).to(dtype)
 
 
-def scaled_mm(a, w, w_scale, dtype):
+def scaled_mm(a, w, w_scale, dtype, tensorwise=False):
     """a (Fp8Rows [M, K]) @ w.T for fp8 weight codes w [N, K] with per-channel scales w_scale [N]: fp8 tensor
     cores through torch._scaled_mm, one scale per row on each side, the result in dtype. Per-row scales on a
-    GPU need a bf16 result: another dtype gets that one, converted."""
+    GPU need a bf16 result: another dtype gets that one, converted. tensorwise (one row): the library's
+    per-tensor path instead, with the row's scale and an fp32 result, then the channels' scales and one rounding
+    here: the twin's arithmetic, through the path a GPU library may run faster for a single token."""
+    if tensorwise:
+        assert a.codes.shape[0] == 1, "tensorwise: one row (its scale is then the tensor's)"
+        y = torch._scaled_mm(a.codes, w.t(), scale_a=a.scale.reshape(()), scale_b=w_scale.new_ones(()),
+                             out_dtype=torch.float32)
+        return (y * w_scale[None, :]).to(dtype)
     out = torch.bfloat16 if a.codes.is_cuda else dtype
     y = torch._scaled_mm(a.codes, w.t(), scale_a=a.scale[:, None], scale_b=w_scale[None, :], out_dtype=out)
     return y if y.dtype == dtype else y.to(dtype)

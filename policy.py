@@ -109,6 +109,9 @@ class Policy:
     # run the dense model's through WIDE's kernels with every group live on the weight codes (weights only).
     # `python -m bench.e2e --only fp8` times the dense fp8 decode both ways and keeps the faster.
     fp8_scaled_mm_min_tokens: int = 1
+    # A one-token _scaled_mm through the library's per-tensor scaling (fp32 out, the channels' scales applied
+    # after: kernels.scaled_mm(tensorwise=True)) instead of its per-row path; bench.e2e --only fp8 times both.
+    fp8_tensorwise_one_token: bool = False
     # Steps longer than this run the router module itself after the norm (two fp32 GEMMs and the rule, op by
     # op); the default sends every step to norm_route, whose row-tile kernel takes prefill chunks in one launch.
     router_max_tokens: int = 1 << 20

@@ -149,9 +149,14 @@ def fp8_copies(ws, fp8):
 
 def fp8_dense(x, wq, fns):
     """The dense rivals of an fp8 case: stock fp8 (the input quantized per token, then torch._scaled_mm on the
-    codes: kernels_step.quantize_rows, kernels.scaled_mm) first, the baseline; then the bf16 ones (fns)."""
+    codes: kernels_step.quantize_rows, kernels.scaled_mm) first, the baseline (at one token the faster of its
+    per-row and per-tensor paths); then the bf16 ones (fns)."""
     stock = [lambda i=i: kernels.scaled_mm(quantize_rows(x), *wq[i], x.dtype) for i in range(len(wq))]
-    return dict(scaled_mm=stock, **fns), ("scaled_mm",)
+    if x.shape[0] > 1:
+        return dict(scaled_mm=stock, **fns), ("scaled_mm",)
+    # one token: the library's per-tensor path too (kernels.scaled_mm(tensorwise=True)); the baseline is the faster
+    tensorwise = [lambda i=i: kernels.scaled_mm(quantize_rows(x), *wq[i], x.dtype, True) for i in range(len(wq))]
+    return dict(scaled_mm=stock, scaled_mm_tensorwise=tensorwise, **fns), ("scaled_mm", "scaled_mm_tensorwise")
 
 
 def case_gate_up(s, T, fp8=False):

@@ -234,6 +234,7 @@ def decode_row(run, m, batch, context, log):
 FP8_ENGINES = {"dense bf16 (WIDE kernels)": (False, "bf16", Policy()),
                "dense bf16 (cuBLAS)": (False, "bf16", Policy(dense_gemv_max_tokens=0)),
                "dense fp8 (_scaled_mm)": (False, "fp8", Policy()),
+               "dense fp8 (_scaled_mm, per-tensor)": (False, "fp8", Policy(fp8_tensorwise_one_token=True)),
                "dense fp8 (WIDE kernels)": (False, "fp8", Policy(fp8_scaled_mm_min_tokens=1 << 30)),
                "WIDE bf16": (True, "bf16", Policy()), "WIDE fp8": (True, "fp8", Policy())}
 

@@ -196,6 +196,11 @@ def test_scaled_mm_is_the_codes_product_times_both_scales(M):
     want = (a.codes.double() @ w.double().t()) * a.scale.double()[:, None] * s.double()[None, :]
     _assert_close(kernels.scaled_mm(a, w, s, torch.float32), want, rtol=1e-6, what="scaled_mm")
     _assert_close(kernels.scaled_mm_ref(a, w, s, torch.float32), want, rtol=1e-6, what="its twin")
+    if M == 1:  # one row: the library's per-tensor path gives the same product
+        _assert_close(kernels.scaled_mm(a, w, s, torch.float32, tensorwise=True), want, rtol=1e-6, what="tensorwise")
+    else:
+        with pytest.raises(AssertionError, match="one row"):
+            kernels.scaled_mm(a, w, s, torch.float32, tensorwise=True)
 
 
 # ---------------------------------------------------------------------------------- the engine
@@ -214,16 +219,21 @@ def greedy(f, idx, n):
 
 
 WEIGHTS_ONLY = Policy(fp8_scaled_mm_min_tokens=10 ** 9)  # never _scaled_mm: the decode kernels read the codes
+PER_TENSOR = Policy(fp8_tensorwise_one_token=True)  # a one-token step's _scaled_mm through the per-tensor path
 
 
-@pytest.mark.parametrize("routers, pol", [(True, None), (False, WEIGHTS_ONLY), (False, None)],
-                         ids=["wide", "dense, WIDE kernels", "dense, scaled_mm"])
-def test_fp8_engine_generates_exactly_as_the_dequantized_torch_model(launches, routers, pol):
+@pytest.mark.parametrize("routers, pol", [(True, None), (False, WEIGHTS_ONLY), (False, None), (False, PER_TENSOR)],
+                         ids=["wide", "dense, WIDE kernels", "dense, scaled_mm", "dense, scaled_mm per-tensor"])
+def test_fp8_engine_generates_exactly_as_the_dequantized_torch_model(launches, monkeypatch, routers, pol):
     # WIDE's steps of this prompt are all decode-sized: the kernels read the weight codes (weights only). The
     # dense model runs WIDE's kernels the same way, or, by default, _scaled_mm on fp8 weights and per-token fp8
     # inputs: then its twin is the model whose linears quantize their inputs too.
     m = wide_model(routers=routers)
-    scaled = not routers and pol is None
+    scaled = not routers and pol in (None, PER_TENSOR)
+    calls = []
+    if pol is PER_TENSOR:  # the decode steps (one token) take the per-tensor path, the 5-token prefill per-row
+        real = kernels.scaled_mm
+        monkeypatch.setattr(kernels, "scaled_mm", lambda *a, **k: calls.append(k.get("tensorwise")) or real(*a, **k))
     ref_model = dequantized_copy(m, activations=scaled)
     idx = torch.tensor([[5, 17, 3, 44, 9]], device=DEV)
     with torch.no_grad():
@@ -244,6 +254,9 @@ def test_fp8_engine_generates_exactly_as_the_dequantized_torch_model(launches, r
         assert quantizing == 2 * len(m.layers) * (launches.count("rms_norm_kernel") - quantizing)
     # and the weights they read were the fp8 codes, not the model's own
     assert all(w.dtype == torch.float8_e4m3fn for d in e.fp8.values() for w, _ in d.values())
+    if pol is PER_TENSOR:
+        per_step = 4 * len(m.layers)  # Q+K+V, O, gate+up, down
+        assert calls == [False] * per_step + [True] * 9 * per_step, "prefill per row, each decode step per tensor"
 
 
 def test_fp8_engine_logits_match_the_dequantized_model_for_prefill_and_batched_decode():
@@ -333,6 +346,9 @@ def test_fp8_activations_and_scaled_mm_on_the_gpu_in_bf16(M):
     assert (a.codes.float() != ref.codes.float()).float().mean() < 1e-3
     w, s = fp8_weight(N, K, gen)
     _assert_close(kernels.scaled_mm(a, w, s, torch.bfloat16), kernels.scaled_mm_ref(a, w, s, torch.bfloat16), rtol=1e-2)
+    if M == 1:
+        _assert_close(kernels.scaled_mm(a, w, s, torch.bfloat16, tensorwise=True),
+                      kernels.scaled_mm_ref(a, w, s, torch.bfloat16), rtol=1e-2, what="tensorwise")
 
 
 def logits(f, idx):
