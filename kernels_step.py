@@ -294,10 +294,8 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
     res = residual.reshape(M, D).contiguous() if residual is not None else x2
     y = empty((M, D), x.dtype, x.device)
     h = empty((M, D), x.dtype, x.device) if residual is not None else y
-    z = empty((M, R), torch.float32, x.device)
     keep = empty((M, G), torch.uint8, x.device)
     keepf = empty((M, G), torch.float32, x.device)
-    live = empty((1 + G,), torch.int32, x.device)
     if M > split_max_tokens:  # a prefill chunk: each program a tile of tokens and every rank
         cfg = config_for("norm_route_rows", config)
         _norm_route_rows_kernel[(triton.cdiv(M, cfg["BT"]),)](
@@ -307,6 +305,8 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
             **pdl_args(x.device))
         normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
         return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), None
+    z = empty((M, R), torch.float32, x.device)  # the first Linear's outputs, handed to each tile's last program
+    live = empty((1 + G,), torch.int32, x.device)
     BT = max(2, triton.next_power_of_2(min(M, NORM_ROUTE_TILE)))
     n_tiles = triton.cdiv(M, BT)
     tickets = torch.zeros(n_tiles, dtype=torch.int32, device=x.device) if tickets is None else tickets
