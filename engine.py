@@ -27,7 +27,7 @@ from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
 from kernels_step import norm_route, quantize_rows, quantize_rows_ref, rms_norm, rope_and_store, swiglu_rows
-from policy import GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS, Plan, Policy, Shape
+from policy import GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE, Plan, Policy, Shape
 from wide import shared_by_vote
 
 
@@ -275,8 +275,10 @@ class Engine:
                 masks.setdefault(kind, []).append(x.new_ones(*x.shape[:-1], router.n_groups, dtype=torch.float32))
             return rms_norm(x, norm, residual, fp8=op.kind == "norm_fp8"), None, None
         if op.kind == "norm_route":
+            pol = self.policy  # decode-sized steps keep NORM_ROUTE_TILE: one tile gives the live list
+            tile = pol.router_split_tile if x.shape[0] * x.shape[1] > NORM_ROUTE_SPLIT_MAX_TOKENS else NORM_ROUTE_TILE
             normed, keep, keepf, live = norm_route(x, norm, router, residual, self.tickets,
-                                                   split_max_tokens=self.policy.router_split_max_tokens)
+                                                   split_max_tokens=pol.router_split_max_tokens, tile_tokens=tile)
         else:  # "norm_then_router"
             normed = rms_norm(x, norm, residual)
             keepf = router(x if residual is None else normed[0])  # at inference exactly 0 or 1

@@ -274,7 +274,7 @@ def norm_route_ref(x, norm, router, residual=None):
 
 
 def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=None, config=None,
-               split_max_tokens=NORM_ROUTE_SPLIT_MAX_TOKENS):
+               split_max_tokens=NORM_ROUTE_SPLIT_MAX_TOKENS, tile_tokens=NORM_ROUTE_TILE):
     """The start of a sublayer for the tokens of a step, in one launch: h = residual + x (if given),
     RMSNorm(h), and the wide.Router decision on the raw h. Returns (normed, keep bool, keep float, live) with
     normed = norm(x), or (h, norm(h)) with a residual; masks [B, T, G]. live: the step's live list, int32
@@ -283,8 +283,8 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
     Two kernels: up to split_max_tokens tokens (decode steps) the router's ranks are split over
     programs, so a few tokens still spread over the GPU; longer steps (prefill chunks) give each program a
     tile of tokens and every rank, so the router's weights are read once per tile, not once per 4 tokens.
-    tickets: int32 zeros, one per tile of NORM_ROUTE_TILE tokens (the kernel leaves them zero, so a CUDA
-    graph can replay it; launches on one stream run one after another, so an engine needs one buffer)."""
+    tickets: int32 zeros, one per tile of tile_tokens tokens (a power of two; the kernel leaves them zero, so a
+    CUDA graph can replay it; launches on one stream run one after another, so an engine needs one buffer)."""
     check_device(x)
     B, T, D = x.shape
     M = B * T
@@ -307,7 +307,8 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
         return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), None
     z = empty((M, R), torch.float32, x.device)  # the first Linear's outputs, handed to each tile's last program
     live = empty((1 + G,), torch.int32, x.device)
-    BT = max(2, triton.next_power_of_2(min(M, NORM_ROUTE_TILE)))
+    assert tile_tokens >= 2 and tile_tokens & (tile_tokens - 1) == 0, "tile_tokens: a power of two >= 2"
+    BT = max(2, triton.next_power_of_2(min(M, tile_tokens)))
     n_tiles = triton.cdiv(M, BT)
     tickets = torch.zeros(n_tiles, dtype=torch.int32, device=x.device) if tickets is None else tickets
     assert tickets.numel() >= n_tiles and tickets.dtype == torch.int32, "one int32 ticket per token tile"
@@ -425,9 +426,9 @@ def _norm_route_rows_kernel(x, res, h_out, y, nw, eps, wd, bd, wu, bu, keep, kee
 
     Pass 1 over D: h = res + x (rounded to the model dtype, as `x + a` is), the tile's sums of squares, and
     the router's first Linear z = h @ wd.T + bd for every rank at once (fp32-accurate dots, config PREC: the
-    reference router runs in fp32). Then the second Linear and wide.Router's rule for the tile (skip iff z_skip > z_exec; a
-    tie executes). Pass 2 over D (the tile's rows again, now from L2): h and RMSNorm(h) written. No ticket
-    and no hand-over: every program owns its tokens. Skips nothing. Twin: norm_route_ref."""
+    reference router runs in fp32). Then the second Linear and wide.Router's rule for the tile (skip iff
+    z_skip > z_exec; a tie executes). Pass 2 over D (the tile's rows again, now from L2): h and RMSNorm(h)
+    written. No ticket and no hand-over: every program owns its tokens. Skips nothing. Twin: norm_route_ref."""
     tile = tl.program_id(0)
     t = tile * BT + tl.arange(0, BT)
     tok = t < M

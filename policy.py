@@ -119,6 +119,9 @@ class Policy:
     # NORM_ROUTE_TILE tokens: many programs, each reading the tile's rows once per rank); longer ones its row-tile
     # kernel (one program per 16 tokens, every rank: the rows read once, but few programs for a short chunk).
     router_split_max_tokens: int = NORM_ROUTE_SPLIT_MAX_TOKENS
+    # ... and its tile in such steps past NORM_ROUTE_SPLIT_MAX_TOKENS tokens (a power of two): more tokens per tile,
+    # fewer reads of each token's row (once per rank and tile), longer serial work for each tile's last program.
+    router_split_tile: int = NORM_ROUTE_TILE
     dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
     # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa" (with
     # the model's causal-mask rows, which rules out flash); the Triton kernel was the faster on the H200.

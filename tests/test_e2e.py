@@ -81,10 +81,11 @@ def assert_same_masks(a, b):
 
 
 SPLIT_ROUTER = Policy(router_split_max_tokens=128)  # a 74-token step on norm_route's split kernel, not its row tiles
+SPLIT_ROUTER_16 = Policy(router_split_max_tokens=128, router_split_tile=16)  # ... in tiles of 16 tokens
 
 
-@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, ALL_DENSE_LINEARS, SPLIT_ROUTER],
-                         ids=["default", "all-sparse", "dense-linears", "split-router"])
+@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, ALL_DENSE_LINEARS, SPLIT_ROUTER, SPLIT_ROUTER_16],
+                         ids=["default", "all-sparse", "dense-linears", "split-router", "split-router-16"])
 def test_triton_forward_routes_identically_and_matches_reference_logits(launches, policy):
     m = wide_model()
     idx = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -96,9 +97,12 @@ def test_triton_forward_routes_identically_and_matches_reference_logits(launches
     assert launches.count("layout_kernel") > 0 and launches.count("attn_prefill_kernel") == len(m.layers)
     assert launches.count("gemm_mn_kernel") == (2 * len(m.layers) if policy is ALL_SPARSE else 0)
     assert launches.count("gemm_k_kernel") == (2 * len(m.layers) if policy is ALL_SPARSE else 0)
-    split = policy is SPLIT_ROUTER  # the router's decision in the norm's launch either way, one kernel or the other
+    split = policy in (SPLIT_ROUTER, SPLIT_ROUTER_16)  # the router in the norm's launch, one kernel or the other
     assert launches.count("norm_route_kernel") == (2 * len(m.layers) if split else 0)
     assert launches.count("norm_route_rows_kernel") == (0 if split else 2 * len(m.layers))
+    if split:  # the tiles the policy asked for: 74 tokens in tiles of 4 or 16
+        tiles = {grid[1] for grid in launches.grids["norm_route_kernel"]}
+        assert tiles == {-(-74 // (16 if policy is SPLIT_ROUTER_16 else 4))}
 
 
 @pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE], ids=["default", "all-sparse"])

@@ -107,7 +107,10 @@ def router(D=64, G=4, seed=0):
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("ranks_per_program", [None, 8])  # 8: four programs hand over through the ticket
 @pytest.mark.parametrize("scale", [4.0, 1e-3])  # 1e-3: mean square ~1e-6, where eps = 1e-5 matters
-def test_norm_route_kernel_matches_twin_and_the_router_itself(M, with_residual, ranks_per_program, scale):
+@pytest.mark.parametrize("tile, split_max", [(policy.NORM_ROUTE_TILE, policy.NORM_ROUTE_SPLIT_MAX_TOKENS), (16, 128)])
+def test_norm_route_kernel_matches_twin_and_the_router_itself(M, with_residual, ranks_per_program, scale, tile,
+                                                               split_max):
+    # (16, 128): 74 tokens on the split kernel in tiles of 16, the last one partial
     r, norm = router(), RMSNorm(64, 1e-5).to(DEV)
     with torch.no_grad():
         norm.weight.copy_(randn(64, seed=10))
@@ -115,12 +118,13 @@ def test_norm_route_kernel_matches_twin_and_the_router_itself(M, with_residual, 
         ticket = torch.zeros(64, dtype=torch.int32, device=DEV)  # one per tile of NORM_ROUTE_TILE tokens
         for _ in range(2):  # the tickets are back at zero after a launch, so a second one works the same
             normed, keep, keepf, live = kernels_step.norm_route(x, norm, r, res if with_residual else None, ticket,
-                                                                ranks_per_program)
+                                                                ranks_per_program, split_max_tokens=split_max,
+                                                                tile_tokens=tile)
             assert not ticket.any()
         ref_normed, ref, ref_f = kernels_step.norm_route_ref(x, norm, r, res if with_residual else None)
         assert torch.equal(keep, ref) and torch.equal(keepf, ref_f), "routing decisions must be identical"
         # A step of a few tokens (the second Linear in the same launch) also gets its live list.
-        assert (live is not None) == (2 * M <= policy.NORM_ROUTE_TILE)
+        assert (live is not None) == (2 * M <= tile)
         if live is not None:
             assert torch.equal(live, kernels_step.live_ref(ref)), "the live list: count, live groups, then the others"
         assert torch.equal(keepf, r(res + x if with_residual else x)), "the twin is the router's own rule"
