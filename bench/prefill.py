@@ -63,6 +63,7 @@ class CUDAGraphPrefill:
         self.idx = torch.zeros(1, tokens, dtype=torch.long, device=device)
         self.pos = torch.arange(int(later), int(later) + tokens, device=device)
         self.last, self.row = torch.zeros(1, dtype=torch.long, device=device), row
+        self.caches, self.stage = caches, stage  # the graph holds their addresses: they live as long as it does
 
         def forward():
             # A chunk at start 0 reads and writes only its own positions; a later one reads the row's prefix and
