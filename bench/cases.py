@@ -17,7 +17,7 @@ import kernels
 from bench import common
 from kernels_attention import attention_decode, attention_decode_ref, attention_prefill, attention_prefill_ref
 from kernels_layout import layout
-from kernels_step import live_ref, quantize_rows
+from kernels_step import live_ref, norm_route, norm_route_ref, quantize_rows, rms_norm
 from policy import GEMV_MAX_TOKENS, NORM_ROUTE_TILE
 
 DECODE_TOKENS = GEMV_MAX_TOKENS      # rows with at most this many tokens are decode-sized: judged on graphs
@@ -270,6 +270,42 @@ def case_decode_attention(s):
                 reference=lambda mask: attention_decode_ref(q.float(), kv[0][0].float(), kv[0][1].float(),
                                                             mask, kv_len),
                 keep=lambda mask: mask.repeat_interleave(hpg, 1)[:, :, None, None].expand(B, H, 1, HD))
+
+
+def case_norm_route(s, T, G):
+    """A prefill chunk's residual add + RMSNorm + router (kernels_step.norm_route) for a G-group router: h,
+    RMSNorm(h) and the decisions, checked against the twin (one flipped decision fails the check). A config goes
+    to the row-tile kernel; SPLIT_TILE (a number of tokens) sends the chunk to the split kernel in tiles of that
+    many instead. Dense: the engine's other path (the norm kernel, then the router module op by op) and the
+    dense model's plain norm. The mask is not an input: the op makes it."""
+    import wide
+    from model import RMSNorm
+    torch.manual_seed(0)
+    D = s.D
+    x, res = (torch.randn(1, T, D, device=s.device, dtype=s.dtype) for _ in range(2))
+    router = wide.Router(D, G, 32).to(s.device).eval()
+    norm = RMSNorm(D, 1e-5).to(s.device, s.dtype)
+    tickets = torch.zeros(4096, dtype=torch.int32, device=s.device)
+
+    def sparse(mask, i, config=None):
+        cfg = dict(config or {})
+        tile = cfg.pop("SPLIT_TILE", None)
+        (h, y), _, keepf, _ = (norm_route(x, norm, router, res, tickets, split_max_tokens=T, tile_tokens=tile)
+                               if tile else norm_route(x, norm, router, res, tickets, config=cfg))
+        return h, y, keepf
+
+    def reference(mask):
+        (h, y), _, keepf = norm_route_ref(x, norm, router, res)
+        return h, y, keepf
+
+    def router_module():
+        h, y = rms_norm(x, norm, res)
+        return y, router(h)
+
+    return Case(f"norm_route ({G}-group router)", T, 1, 0, (T, 1), 2 * T * D * 32, 3 * s.dtype.itemsize * T * D,
+                0.0, 1, dense={"router module": [router_module], "rms_norm": [lambda: rms_norm(x, norm, res)]},
+                sparse=sparse, reference=reference, keep=lambda mask: (None, None, None),
+                baseline=("router module",))
 
 
 def case_prefill_attention(s):

@@ -161,6 +161,15 @@ def test_tune_takes_several_names_and_checks_the_prefetch_variant(tmp_path):
     assert last["config"].get("PREFETCH") and "failed" not in last and last["rel_err"] <= 1e-2
 
 
+def test_tune_times_the_prefill_router_row_tiles_against_the_split_kernel(tmp_path):
+    data, _ = smoke(tmp_path, "bench.tune", "--only", "norm_route")
+    (r,) = data["results"].values()
+    assert r["current"] == data["results"]["norm_route_rows 20"]["current"]
+    first, last = r["variants"]  # --smoke: the current row tiles, and the split kernel in tiles of 16
+    assert last["config"] == {"SPLIT_TILE": 16}
+    assert all("failed" not in v and v["rel_err"] <= 1e-2 for v in (first, last))  # the decisions are the twin's
+
+
 def test_tune_sweeps_the_fp8_keys_on_fp8_weights_with_an_fma_variant(tmp_path):
     data, _ = smoke(tmp_path, "bench.tune", "--only", "fp8")
     assert set(data["results"]) == {"gemv_mn_1_fused_fp8", "gemv_mn_1_fp8", "gemm_k_small_long_k_fp8", "gemm_k_small_fp8"}
