@@ -46,7 +46,7 @@ CONFIGS = {
     "attn_decode": dict(BN=128, programs_per_sm=4, max_chunks=16, num_warps=8, num_stages=2),
     # A prefill chunk's norm + router: tiles of 16 tokens (one tile per SM at 2k tokens), every rank per program.
     # PREC: the router's dots as three tf32 tensor-core products (fp32-accurate here: h is bf16, exact in tf32);
-    # "ieee" (CUDA-core FMAs) made the attention and FFN norm ops ~1.8x slower (results/prefill_chunks_h100*.md).
+    # "ieee" (CUDA-core FMAs) was the slower: results/prefill_chunks_h100_ieee.md against prefill_chunks_h100.md.
     "norm_route_rows": dict(BT=16, BK=128, num_warps=4, num_stages=2, PREC="tf32x3"),
 }
 if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per element

@@ -18,7 +18,9 @@ from bench import common
 from kernels_attention import attention_decode, attention_decode_ref, attention_prefill, attention_prefill_ref
 from kernels_layout import layout
 from kernels_step import live_ref, norm_route, norm_route_ref, quantize_rows, rms_norm
+from model import RMSNorm
 from policy import GEMV_MAX_TOKENS, NORM_ROUTE_TILE
+from wide import Router
 
 DECODE_TOKENS = GEMV_MAX_TOKENS      # rows with at most this many tokens are decode-sized: judged on graphs
 
@@ -278,12 +280,10 @@ def case_norm_route(s, T, G):
     to the row-tile kernel; SPLIT_TILE (a number of tokens) sends the chunk to the split kernel in tiles of that
     many instead. Dense: the engine's other path (the norm kernel, then the router module op by op) and the
     dense model's plain norm. The mask is not an input: the op makes it."""
-    import wide
-    from model import RMSNorm
     torch.manual_seed(0)
     D = s.D
     x, res = (torch.randn(1, T, D, device=s.device, dtype=s.dtype) for _ in range(2))
-    router = wide.Router(D, G, 32).to(s.device).eval()
+    router = Router(D, G, 32).to(s.device).eval()
     norm = RMSNorm(D, 1e-5).to(s.device, s.dtype)
     tickets = torch.zeros(4096, dtype=torch.int32, device=s.device)
 
@@ -291,7 +291,7 @@ def case_norm_route(s, T, G):
         cfg = dict(config or {})
         tile = cfg.pop("SPLIT_TILE", None)
         (h, y), _, keepf, _ = (norm_route(x, norm, router, res, tickets, split_max_tokens=T, tile_tokens=tile)
-                               if tile else norm_route(x, norm, router, res, tickets, config=cfg))
+                               if tile else norm_route(x, norm, router, res, tickets, config=cfg, split_max_tokens=0))
         return h, y, keepf
 
     def reference(mask):
@@ -302,7 +302,8 @@ def case_norm_route(s, T, G):
         h, y = rms_norm(x, norm, res)
         return y, router(h)
 
-    return Case(f"norm_route ({G}-group router)", T, 1, 0, (T, 1), 2 * T * D * 32, 3 * s.dtype.itemsize * T * D,
+    flops = 2 * T * D * router.down.out_features
+    return Case(f"norm_route ({G}-group router)", T, 1, 0, (T, 1), flops, 3 * s.dtype.itemsize * T * D,
                 0.0, 1, dense={"router module": [router_module], "rms_norm": [lambda: rms_norm(x, norm, res)]},
                 sparse=sparse, reference=reference, keep=lambda mask: (None, None, None),
                 baseline=("router module",))

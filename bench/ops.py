@@ -136,8 +136,9 @@ ABOUT = ("{dtype}, shapes D {D}, {H} q / {HKV} kv heads of {HD}, FFN {FFN}; rand
          "zeroing. Dense: one cuBLAS GEMM over the fused weight (gate+up [2I, D]; Q/K/V [(H+2Hkv)d, D]), SDPA's "
          "default backend for attention. fp8 rows: e4m3 weights with per-channel scales (a byte per weight in "
          "the bytes), WIDE's decode kernels against stock fp8, the input quantized per token then torch._scaled_mm "
-         "(the faster of its per-row and per-tensor scaling; bf16 cuBLAS beside it). 'ideal' = dense bytes (decode) or FLOPs (prefill) / the share still "
-         "needed; 'useful rate' = that share / WIDE time (copy ceiling {copy} GB/s, bf16 matmul {mm} TFLOP/s).")
+         "(the faster of its per-row and per-tensor scaling; bf16 cuBLAS beside it). 'ideal' = dense bytes "
+         "(decode) or FLOPs (prefill) / the share still needed; 'useful rate' = that share / WIDE time (copy "
+         "ceiling {copy} GB/s, bf16 matmul {mm} TFLOP/s).")
 
 
 def run_kernels(s, args, argv):

@@ -83,9 +83,10 @@ def tune_table(s):
         "attn_prefill": (lambda: case_prefill_attention(s), [v(8, 2, BM=128, BN=128)]),
         # a prefill chunk's norm + router: the row tiles' sizes and dot precision, and the split kernel instead
         **{f"norm_route_rows {T}": (lambda T=T: case_norm_route(s, T, s.FFN // s.ffn_gs), [
-            v(4, 2, BT=16, BK=128, PREC="ieee"), v(4, 2, BT=16, BK=64, PREC="tf32x3"), v(8, 2, BT=16, BK=256, PREC="tf32x3"),
-            v(4, 3, BT=16, BK=128, PREC="tf32x3"), v(4, 2, BT=32, BK=128, PREC="tf32x3"), dict(SPLIT_TILE=4),
-            dict(SPLIT_TILE=16)]) for T in ((20,) if s.smoke else (100, 512, 2048))},
+            v(4, 2, BT=16, BK=128, PREC="ieee"), v(4, 2, BT=16, BK=64, PREC="tf32x3"),
+            v(8, 2, BT=16, BK=256, PREC="tf32x3"), v(4, 3, BT=16, BK=128, PREC="tf32x3"),
+            v(4, 2, BT=32, BK=128, PREC="tf32x3"), dict(SPLIT_TILE=4), dict(SPLIT_TILE=16)])
+            for T in ((20,) if s.smoke else (100, 512, 2048))},
         "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16),
                                                            v(8, 3, BN=128, programs_per_sm=2), v(4, 3, BN=128, programs_per_sm=4)]),
     }

@@ -274,7 +274,8 @@ def test_e2e_fp8_times_each_dense_side_both_ways_and_keeps_the_faster(tmp_path):
     data, md = smoke(tmp_path, "bench.e2e", "--only", "fp8")
     (r,) = [r for r in data["rows"] if r["phase"] == "decode fp8"]
     assert set(r["ms"]) == set(e2e.FP8_ENGINES) | {"dense bf16", "dense fp8"}
-    ways = {"dense bf16": ["WIDE kernels", "cuBLAS"], "dense fp8": ["WIDE kernels", "_scaled_mm", "_scaled_mm, per-tensor"]}
+    ways = {"dense bf16": ["WIDE kernels", "cuBLAS"],
+            "dense fp8": ["WIDE kernels", "_scaled_mm", "_scaled_mm, per-tensor"]}
     for side, names in ways.items():
         assert r["ms"][side] == min(r["ms"][f"{side} ({n})"] for n in names)
     assert r["dense_fp8_vs_dense_bf16"] == pytest.approx(r["ms"]["dense bf16"] / r["ms"]["dense fp8"])
