@@ -44,10 +44,14 @@ CONFIGS = {
     # max_chunks per (row, KV head), merged in turn: merging all chunks at once was slower (the merge's
     # registers cost the whole kernel occupancy).
     "attn_decode": dict(BN=128, programs_per_sm=4, max_chunks=16, num_warps=8, num_stages=2),
-    # A prefill chunk's norm + router: tiles of 16 tokens (one tile per SM at 2k tokens), every rank per program.
-    # PREC: the router's dots as three tf32 tensor-core products (fp32-accurate here: h is bf16, exact in tf32);
-    # "ieee" (CUDA-core FMAs) was the slower: results/prefill_chunks_h100_ieee.md against prefill_chunks_h100.md.
-    "norm_route_rows": dict(BT=16, BK=128, num_warps=4, num_stages=2, PREC="tf32x3"),
+    # A prefill chunk's norm + router (two launches): tiles of BT tokens, D in slices of DS columns, a program
+    # per (tile, slice) in each launch. BK, num_warps, num_stages: the first half's (sums of squares and the
+    # router's first Linear); FINISH_BK, finish_warps: the second's, which only streams h into RMSNorm(h) and
+    # wants wider steps. PREC: the router's dots as three tf32 tensor-core products (fp32-accurate here: h is bf16,
+    # exact in tf32); "ieee" (CUDA-core FMAs) was the slower: results/prefill_chunks_h100_ieee.md against
+    # prefill_chunks_h100.md (the row-tile kernel before this one).
+    "norm_route_parts": dict(BT=16, BK=32, DS=512, num_warps=2, num_stages=3, FINISH_BK=128, finish_warps=4,
+                             PREC="tf32x3"),
 }
 if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per element
     LONG_K = 64  # so the small test shapes exercise both decode gemm_k variants
@@ -62,7 +66,7 @@ if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per ele
         "gemm_k_small_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2), "gemm_k_small_long_k_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_atomic": dict(BN=32, BK=16),
         "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, programs_per_sm=4, max_chunks=4),
-        "norm_route_rows": dict(BT=16, BK=32),
+        "norm_route_parts": dict(BT=16, BK=16, DS=32, FINISH_BK=32, finish_warps=4),
     })
 
 

@@ -1,8 +1,8 @@
 """
 The small fused kernels of an inference step (engine.py), each after its PyTorch twin:
 
-  norm_route      residual add + RMSNorm + the wide.Router decision (and the live list), one launch per sublayer,
-                  decode steps and prefill chunks alike
+  norm_route      residual add + RMSNorm + the wide.Router decision (and the live list): one launch per sublayer
+                  in a decode step, two in a prefill chunk
   rms_norm        RMSNorm (with the residual add) where there is no router; its output as fp8 rows if asked
   rope_and_store  RoPE on q and k, and k, v written into the static KV cache at each token's slot
   swiglu_rows     silu(gate) * up of a library GEMM's output, the pruned channel groups' zeros in the same launch
@@ -275,14 +275,16 @@ def norm_route_ref(x, norm, router, residual=None):
 
 def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=None, config=None,
                split_max_tokens=NORM_ROUTE_SPLIT_MAX_TOKENS, tile_tokens=NORM_ROUTE_TILE):
-    """The start of a sublayer for the tokens of a step, in one launch: h = residual + x (if given),
-    RMSNorm(h), and the wide.Router decision on the raw h. Returns (normed, keep bool, keep float, live) with
+    """The start of a sublayer for the tokens of a step: h = residual + x (if given), RMSNorm(h), and the
+    wide.Router decision on the raw h. Returns (normed, keep bool, keep float, live) with
     normed = norm(x), or (h, norm(h)) with a residual; masks [B, T, G]. live: the step's live list, int32
     [1 + G] (the number of groups some token runs, those groups ascending, then the others), which the
     decode kernels read instead of scanning the mask; None for a step of more than one token tile.
-    Two kernels: up to split_max_tokens tokens (decode steps) the router's ranks are split over
-    programs, so a few tokens still spread over the GPU; longer steps (prefill chunks) give each program a
-    tile of tokens and every rank, so the router's weights are read once per tile, not once per 4 tokens.
+    Up to split_max_tokens tokens (decode steps), one launch whose programs split the router's ranks, so a
+    few tokens still spread over the GPU. Longer steps (prefill chunks), two launches with D split over
+    programs: each (tile of tokens, D-slice) gets its slice's sums of squares and share of the router's first
+    Linear (every rank, so the router's weights are read once per tile), then each (tile, D-slice) adds the
+    slices up in a fixed order and writes its RMSNorm(h), and one more program per tile applies the rule.
     tickets: int32 zeros, one per tile of tile_tokens tokens (a power of two; the kernel leaves them zero, so a
     CUDA graph can replay it; launches on one stream run one after another, so an engine needs one buffer)."""
     check_device(x)
@@ -296,13 +298,22 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
     h = empty((M, D), x.dtype, x.device) if residual is not None else y
     keep = empty((M, G), torch.uint8, x.device)
     keepf = empty((M, G), torch.float32, x.device)
-    if M > split_max_tokens:  # a prefill chunk: each program a tile of tokens and every rank
-        cfg = config_for("norm_route_rows", config)
-        _norm_route_rows_kernel[(triton.cdiv(M, cfg["BT"]),)](
-            x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, up.weight, up.bias, keep, keepf, M, D, R, G,
-            HAS_RES=residual is not None, BT=cfg["BT"], BK=cfg["BK"], RP=max(16, triton.next_power_of_2(R)),
-            BG=max(16, triton.next_power_of_2(G)), PREC=cfg.get("PREC", "ieee"), **launch_args(cfg),
-            **pdl_args(x.device))
+    if M > split_max_tokens:  # a prefill chunk: D split over programs, then the slices' partial sums added up
+        cfg = config_for("norm_route_parts", config)
+        BT, BK, DS = cfg["BT"], cfg["BK"], cfg["DS"]
+        assert DS % BK == 0 and DS % cfg["FINISH_BK"] == 0, "norm_route_parts: DS a multiple of BK and FINISH_BK"
+        n_tiles, S, RP = triton.cdiv(M, BT), triton.cdiv(D, DS), max(16, triton.next_power_of_2(R))
+        part_ss = empty((S, M), torch.float32, x.device)  # each D-slice's sums of squares, per token
+        part_z = empty((S, M, RP), torch.float32, x.device)  # ... and its share of the first Linear
+        prec = cfg.get("PREC", "ieee")
+        _norm_route_part_kernel[(n_tiles, S)](
+            x2, res, h, down.weight, part_ss, part_z, M, D, R, HAS_RES=residual is not None, BT=BT, BK=BK, DS=DS,
+            RP=RP, PREC=prec, **launch_args(cfg), **pdl_args(x.device))
+        # the finish only streams h into y (and one program per tile the rule): its own column step and warps
+        _norm_route_finish_kernel[(n_tiles, S + 1)](
+            h if residual is not None else x2, y, norm.weight, norm.eps, down.bias, up.weight, up.bias, part_ss,
+            part_z, keep, keepf, M, D, R, G, S, BT=BT, BK=cfg["FINISH_BK"], DS=DS, RP=RP,
+            BG=max(16, triton.next_power_of_2(G)), PREC=prec, num_warps=cfg["finish_warps"], **pdl_args(x.device))
         normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
         return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), None
     z = empty((M, R), torch.float32, x.device)  # the first Linear's outputs, handed to each tile's last program
@@ -419,50 +430,84 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
 
 
 @triton.jit(do_not_specialize=["M"])  # chunk lengths: see engine.warm_chunks
-def _norm_route_rows_kernel(x, res, h_out, y, nw, eps, wd, bd, wu, bu, keep, keepf, M, D, R, G,
-                            HAS_RES: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
-                            BG: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
-    """Residual add + RMSNorm + router for a prefill chunk: one program per tile of BT tokens, all of it.
+def _norm_route_part_kernel(x, res, h_out, wd, part_ss, part_z, M, D, R, HAS_RES: tl.constexpr, BT: tl.constexpr,
+                            BK: tl.constexpr, DS: tl.constexpr, RP: tl.constexpr, PREC: tl.constexpr,
+                            PDL: tl.constexpr):
+    """A prefill chunk's norm + router, first half: one D-slice of one tile of tokens. Grid (cdiv(M, BT),
+    cdiv(D, DS)).
 
-    Pass 1 over D: h = res + x (rounded to the model dtype, as `x + a` is), the tile's sums of squares, and
-    the router's first Linear z = h @ wd.T + bd for every rank at once (fp32-accurate dots, config PREC: the
-    reference router runs in fp32). Then the second Linear and wide.Router's rule for the tile (skip iff
-    z_skip > z_exec; a tie executes). Pass 2 over D (the tile's rows again, now from L2): h and RMSNorm(h)
-    written. No ticket and no hand-over: every program owns its tokens. Skips nothing. Twin: norm_route_ref."""
-    tile = tl.program_id(0)
+    Program (tile, s) forms h = res + x on its BT tokens and DS columns (rounded to the model dtype, as `x + a`
+    is) and writes it, then the slice's share of what needs all of D: each token's sum of squares, part_ss[s],
+    and of the router's first Linear, part_z[s] = h[:, slice] @ wd[:, slice].T (fp32-accurate dots, config PREC:
+    the reference router runs in fp32). Splitting D is what spreads a short chunk over the GPU: the row tiles
+    alone are few programs, each a long serial loop over D. No bias, no rule: _norm_route_finish_kernel adds
+    the slices up. Skips nothing. Twin: norm_route_ref."""
+    tile, s = tl.program_id(0), tl.program_id(1)
     t = tile * BT + tl.arange(0, BT)
     tok = t < M
     kk = tl.arange(0, BK)
     rr = tl.arange(0, RP)
-    g = tl.arange(0, BG)
     prior_done(PDL)
     z = tl.zeros([BT, RP], tl.float32)
     ss = tl.zeros([BT], tl.float32)
-    for k0 in range(0, D, BK):
+    for k0 in range(s * DS, s * DS + DS, BK):
         ok, offs = tok[:, None] & (k0 + kk < D)[None, :], t[:, None].to(tl.int64) * D + k0 + kk[None, :]
         hv = _residual_add(x, res, offs, ok, HAS_RES)
+        if HAS_RES:
+            tl.store(h_out + offs, hv, mask=ok)
         hf = hv.to(tl.float32)
         ss += tl.sum(hf * hf, 1)
         w = tl.load(wd + rr[:, None] * D + k0 + kk[None, :], mask=(rr < R)[:, None] & (k0 + kk < D)[None, :],
                     other=0.0)
         z = tl.dot(hf, tl.trans(w), z, input_precision=PREC)
-    z += tl.load(bd + rr, mask=rr < R, other=0.0)[None, :]
-    wm = (g < G)[:, None] & (rr < R)[None, :]
-    w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
-    w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
-    z_exec = tl.dot(z, tl.trans(w_exec), input_precision=PREC) + tl.load(bu + 2 * g, mask=g < G, other=0.0)[None, :]
-    z_skip = tl.dot(z, tl.trans(w_skip), input_precision=PREC) + tl.load(bu + 2 * g + 1, mask=g < G,
-                                                                         other=0.0)[None, :]
-    run = z_skip <= z_exec  # a tie executes
-    km = tok[:, None] & (g < G)[None, :]
-    tl.store(keep + t[:, None] * G + g[None, :], run.to(tl.uint8), mask=km)
-    tl.store(keepf + t[:, None] * G + g[None, :], run.to(tl.float32), mask=km)
-    inv = tl.rsqrt(ss / D + eps)
-    for k0 in range(0, D, BK):
-        ok, offs = tok[:, None] & (k0 + kk < D)[None, :], t[:, None].to(tl.int64) * D + k0 + kk[None, :]
-        hv = _residual_add(x, res, offs, ok, HAS_RES)
-        if HAS_RES:
-            tl.store(h_out + offs, hv, mask=ok)
-        n = (hv.to(tl.float32) * inv[:, None]).to(hv.dtype)
-        wt = tl.load(nw + k0 + kk, mask=k0 + kk < D, other=0.0)
-        tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
+    tl.store(part_ss + s * M + t, ss, mask=tok)
+    tl.store(part_z + (s * M + t)[:, None] * RP + rr[None, :], z, mask=tok[:, None])
+
+
+@triton.jit(do_not_specialize=["M"])  # chunk lengths: see engine.warm_chunks
+def _norm_route_finish_kernel(h, y, nw, eps, bd, wu, bu, part_ss, part_z, keep, keepf, M, D, R, G, S,
+                              BT: tl.constexpr, BK: tl.constexpr, DS: tl.constexpr, RP: tl.constexpr,
+                              BG: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    """A prefill chunk's norm + router, second half. Grid (cdiv(M, BT), S + 1) for the first half's S slices.
+
+    Program (tile, s < S) adds its tokens' S partial sums of squares up in slice order and writes RMSNorm(h)
+    for D-slice s (h as the first half wrote it, or x without a residual; rounded as the norm kernel does).
+    Program (tile, S) adds the partial first Linear up in slice order, adds its bias, and applies the second
+    Linear and wide.Router's rule (skip iff z_skip > z_exec; a tie executes) to the tile: a program of its
+    own, so the rule's dependent loads and dots run beside the slices' write-out, not after one of them.
+    Deterministic: fixed-order sums, no atomics, every output written by one program. Skips nothing.
+    Twin: norm_route_ref."""
+    tile, s = tl.program_id(0), tl.program_id(1)
+    t = tile * BT + tl.arange(0, BT)
+    tok = t < M
+    prior_done(PDL)
+    if s < S:
+        ss = tl.zeros([BT], tl.float32)
+        for i in range(0, S):
+            ss += tl.load(part_ss + i * M + t, mask=tok, other=0.0)
+        inv = tl.rsqrt(ss / D + eps)
+        kk = tl.arange(0, BK)
+        for k0 in range(s * DS, s * DS + DS, BK):
+            ok, offs = tok[:, None] & (k0 + kk < D)[None, :], t[:, None].to(tl.int64) * D + k0 + kk[None, :]
+            hv = tl.load(h + offs, mask=ok, other=0.0)
+            n = (hv.to(tl.float32) * inv[:, None]).to(hv.dtype)
+            wt = tl.load(nw + k0 + kk, mask=k0 + kk < D, other=0.0)
+            tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
+    else:  # the router's decision for the tile
+        rr = tl.arange(0, RP)
+        g = tl.arange(0, BG)
+        z = tl.zeros([BT, RP], tl.float32)
+        for i in range(0, S):
+            z += tl.load(part_z + (i * M + t)[:, None] * RP + rr[None, :], mask=tok[:, None], other=0.0)
+        z += tl.load(bd + rr, mask=rr < R, other=0.0)[None, :]
+        wm = (g < G)[:, None] & (rr < R)[None, :]
+        w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
+        w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+        z_exec = tl.dot(z, tl.trans(w_exec), input_precision=PREC) + tl.load(bu + 2 * g, mask=g < G,
+                                                                             other=0.0)[None, :]
+        z_skip = tl.dot(z, tl.trans(w_skip), input_precision=PREC) + tl.load(bu + 2 * g + 1, mask=g < G,
+                                                                             other=0.0)[None, :]
+        run = z_skip <= z_exec  # a tie executes
+        km = tok[:, None] & (g < G)[None, :]
+        tl.store(keep + t[:, None] * G + g[None, :], run.to(tl.uint8), mask=km)
+        tl.store(keepf + t[:, None] * G + g[None, :], run.to(tl.float32), mask=km)

@@ -19,7 +19,7 @@ GEMV_MAX_TOKENS = 16  # gemm_mn / gemm_k: at most this many tokens run the decod
 NORM_ROUTE_TILE = 4  # norm_route: tokens per program; each tile's last program applies the router's second
                      # Linear token by token, and a step of one tile also gets its live list ...
 NORM_ROUTE_SPLIT_MAX_TOKENS = 64  # ... in steps of at most this many tokens (Policy.router_split_max_tokens);
-                                  # longer ones run its row-tile kernel
+                                  # longer ones run its two D-split kernels
 
 
 class Shape(NamedTuple):
@@ -47,7 +47,7 @@ class Op(NamedTuple):
 # kind -> what the op does then (the text generate.py prints)
 KINDS = {
     "norm": "RMSNorm (rms_norm)",
-    "norm_route": "RMSNorm + the router in one launch (norm_route), residual add fused",
+    "norm_route": "RMSNorm + the router in one launch (norm_route; two in a prefill chunk), residual add fused",
     "norm_then_router": "RMSNorm (rms_norm), then the router module itself (two fp32 GEMMs)",
     "norm_fp8": "RMSNorm (rms_norm), its output as per-token fp8 rows for _scaled_mm, in the same launch",
     "layout": "mask reordering: per group, its live tokens first (layout + work list)",
@@ -113,11 +113,11 @@ class Policy:
     # after: kernels.scaled_mm(tensorwise=True)) instead of its per-row path; bench.e2e --only fp8 times both.
     fp8_tensorwise_one_token: bool = False
     # Steps longer than this run the router module itself after the norm (two fp32 GEMMs and the rule, op by
-    # op); the default sends every step to norm_route, whose row-tile kernel takes prefill chunks in one launch.
+    # op); the default sends every step to norm_route, whose D-split kernels take prefill chunks in two launches.
     router_max_tokens: int = 1 << 20
     # Steps of at most this many tokens take norm_route's split kernel (the router's ranks over programs, tiles of
-    # NORM_ROUTE_TILE tokens: many programs, each reading the tile's rows once per rank); longer ones its row-tile
-    # kernel (one program per 16 tokens, every rank: the rows read once, but few programs for a short chunk).
+    # NORM_ROUTE_TILE tokens: many programs, each reading the tile's rows once per rank); longer ones its D-split
+    # kernels (a program per tile of tokens and slice of D, every rank: the rows read once, then added up).
     router_split_max_tokens: int = NORM_ROUTE_SPLIT_MAX_TOKENS
     # ... and its tile in such steps past NORM_ROUTE_SPLIT_MAX_TOKENS tokens (a power of two): more tokens per tile,
     # fewer reads of each token's row (once per rank and tile), longer serial work for each tile's last program.
@@ -193,7 +193,8 @@ class Policy:
             return Op("norm", "Triton", kernels=("rms_norm_kernel",))
         if router == "wide" and shape.tokens <= self.router_max_tokens:
             split = shape.tokens <= self.router_split_max_tokens  # short: the ranks split over programs
-            return Op("norm_route", "Triton", kernels=("norm_route_kernel" if split else "norm_route_rows_kernel",))
+            return Op("norm_route", "Triton", kernels=("norm_route_kernel",) if split else
+                      ("norm_route_part_kernel", "norm_route_finish_kernel"))
         return Op("norm_then_router", "Triton + torch", kernels=("rms_norm_kernel",))
 
     def qkv_op(self, shape, router, w):

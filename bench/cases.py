@@ -277,9 +277,9 @@ def case_decode_attention(s):
 def case_norm_route(s, T, G):
     """A prefill chunk's residual add + RMSNorm + router (kernels_step.norm_route) for a G-group router: h,
     RMSNorm(h) and the decisions, checked against the twin (one flipped decision fails the check). A config goes
-    to the row-tile kernel; SPLIT_TILE (a number of tokens) sends the chunk to the split kernel in tiles of that
-    many instead. Dense: the engine's other path (the norm kernel, then the router module op by op) and the
-    dense model's plain norm. The mask is not an input: the op makes it."""
+    to the D-split pair (norm_route_parts); SPLIT_TILE (a number of tokens) sends the chunk to the split kernel
+    in tiles of that many instead. Dense: the engine's other path (the norm kernel, then the router module op by
+    op) and the dense model's plain norm. The mask is not an input: the op makes it."""
     torch.manual_seed(0)
     D = s.D
     x, res = (torch.randn(1, T, D, device=s.device, dtype=s.dtype) for _ in range(2))

@@ -81,11 +81,17 @@ def tune_table(s):
             v(4, 4, BM=16, BN=64, BK=256, SPLIT=8, F16=2), v(4, 4, BM=16, BN=32, BK=256, SPLIT=8, F16=2),
             v(4, 6, BM=16, BN=16, BK=128, SPLIT=8, F16=2), pre("gemm_k_small_fp8"), *fma]),
         "attn_prefill": (lambda: case_prefill_attention(s), [v(8, 2, BM=128, BN=128)]),
-        # a prefill chunk's norm + router: the row tiles' sizes and dot precision, and the split kernel instead
-        **{f"norm_route_rows {T}": (lambda T=T: case_norm_route(s, T, s.FFN // s.ffn_gs), [
-            v(4, 2, BT=16, BK=128, PREC="ieee"), v(4, 2, BT=16, BK=64, PREC="tf32x3"),
-            v(8, 2, BT=16, BK=256, PREC="tf32x3"), v(4, 3, BT=16, BK=128, PREC="tf32x3"),
-            v(4, 2, BT=32, BK=128, PREC="tf32x3"), dict(SPLIT_TILE=4), dict(SPLIT_TILE=16)])
+        # a prefill chunk's norm + router: the D-split pair's tiles, slices and warps (first half; FINISH_BK and
+        # finish_warps the second's) and dot precision, and the split kernel in tiles of 4 or 16 instead
+        **{f"norm_route_parts {T}": (lambda T=T: case_norm_route(s, T, s.FFN // s.ffn_gs), [
+            v(2, 3, BT=16, BK=32, DS=256, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
+            v(2, 3, BT=16, BK=32, DS=512, FINISH_BK=256, finish_warps=4, PREC="tf32x3"),
+            v(4, 3, BT=16, BK=64, DS=256, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
+            v(2, 3, BT=32, BK=32, DS=256, FINISH_BK=256, finish_warps=4, PREC="tf32x3"),
+            v(4, 3, BT=64, BK=32, DS=512, FINISH_BK=256, finish_warps=8, PREC="tf32x3"),
+            v(4, 3, BT=64, BK=64, DS=1024, FINISH_BK=256, finish_warps=8, PREC="tf32x3"),
+            v(2, 3, BT=16, BK=32, DS=512, FINISH_BK=128, finish_warps=4, PREC="ieee"),
+            dict(SPLIT_TILE=4), dict(SPLIT_TILE=16)])
             for T in ((20,) if s.smoke else (100, 512, 2048))},
         "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16),
                                                            v(8, 3, BN=128, programs_per_sm=2), v(4, 3, BN=128, programs_per_sm=4)]),

@@ -161,11 +161,11 @@ def test_tune_takes_several_names_and_checks_the_prefetch_variant(tmp_path):
     assert last["config"].get("PREFETCH") and "failed" not in last and last["rel_err"] <= 1e-2
 
 
-def test_tune_times_the_prefill_router_row_tiles_against_the_split_kernel(tmp_path):
+def test_tune_times_the_prefill_router_d_split_pair_against_the_split_kernel(tmp_path):
     data, _ = smoke(tmp_path, "bench.tune", "--only", "norm_route")
     (r,) = data["results"].values()
-    assert r["current"] == data["results"]["norm_route_rows 20"]["current"]
-    first, last = r["variants"]  # --smoke: the current row tiles, and the split kernel in tiles of 16
+    assert r["current"] == data["results"]["norm_route_parts 20"]["current"]
+    first, last = r["variants"]  # --smoke: the current D-split pair, and the split kernel in tiles of 16
     assert last["config"] == {"SPLIT_TILE": 16}
     assert all("failed" not in v and v["rel_err"] <= 1e-2 for v in (first, last))  # the decisions are the twin's
 

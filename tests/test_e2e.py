@@ -80,7 +80,7 @@ def assert_same_masks(a, b):
 # one forward
 
 
-SPLIT_ROUTER = Policy(router_split_max_tokens=128)  # a 74-token step on norm_route's split kernel, not its row tiles
+SPLIT_ROUTER = Policy(router_split_max_tokens=128)  # a 74-token step on norm_route's split kernel, not its D-split pair
 SPLIT_ROUTER_16 = Policy(router_split_max_tokens=128, router_split_tile=16)  # ... in tiles of 16 tokens
 
 
@@ -99,7 +99,8 @@ def test_triton_forward_routes_identically_and_matches_reference_logits(launches
     assert launches.count("gemm_k_kernel") == (2 * len(m.layers) if policy is ALL_SPARSE else 0)
     split = policy in (SPLIT_ROUTER, SPLIT_ROUTER_16)  # the router in the norm's launch, one kernel or the other
     assert launches.count("norm_route_kernel") == (2 * len(m.layers) if split else 0)
-    assert launches.count("norm_route_rows_kernel") == (0 if split else 2 * len(m.layers))
+    for half in ("norm_route_part_kernel", "norm_route_finish_kernel"):  # the prefill chunk's two launches
+        assert launches.count(half) == (0 if split else 2 * len(m.layers))
     if split:  # the tiles the policy asked for: 74 tokens in tiles of 4 or 16
         tiles = {grid[1] for grid in launches.grids["norm_route_kernel"]}
         assert tiles == {-(-74 // (16 if policy is SPLIT_ROUTER_16 else 4))}

@@ -103,7 +103,7 @@ def router(D=64, G=4, seed=0):
     return wide.Router(D, G, 32).to(DEV).eval()
 
 
-@pytest.mark.parametrize("M", [1, 3, 16, 37])  # 2 rows each: 74 tokens run the row-tile kernel
+@pytest.mark.parametrize("M", [1, 3, 16, 37])  # 2 rows each: 74 tokens run the D-split pair
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("ranks_per_program", [None, 8])  # 8: four programs hand over through the ticket
 @pytest.mark.parametrize("scale", [4.0, 1e-3])  # 1e-3: mean square ~1e-6, where eps = 1e-5 matters
@@ -133,7 +133,7 @@ def test_norm_route_kernel_matches_twin_and_the_router_itself(M, with_residual, 
     assert 0 < keep.float().mean() < 1, "a test router should skip some groups"
 
 
-@pytest.mark.parametrize("T", [1, 5, 70])  # one token tile, two, or the row-tile kernel
+@pytest.mark.parametrize("T", [1, 5, 70])  # one token tile, two, or the D-split pair
 def test_norm_route_kernel_executes_on_a_tie(T):
     # z_skip == z_exec exactly: the paper's rule skips only if z_skip > z_exec, so a tie runs.
     r, norm = router(), RMSNorm(64, 1e-5).to(DEV)
@@ -163,6 +163,84 @@ def test_norm_route_kernel_skips_when_the_skip_logit_is_larger():
         r.up.bias.view(4, 2)[:, 1] = torch.tensor([1e-3, -1e-3, 1e-3, -1e-3])  # skip, run, skip, run
         _, keep, _, _ = kernels_step.norm_route(randn(2, 3, 64, seed=9), norm, r)
     assert keep.tolist() == [[[False, True, False, True]] * 3] * 2
+
+
+# A prefill chunk's norm + router: D split into slices of DS columns, then the slices' sums added up
+# (kernels_step._norm_route_part_kernel, _norm_route_finish_kernel). (B, T, D, G, config): one token past the
+# split kernel's limit in 5 tiles, the last of one token; D a multiple of neither DS nor BK (a short last
+# slice); one slice for all of D; wider tiles and a G that is no power of two.
+SPLIT_D = [(1, policy.NORM_ROUTE_SPLIT_MAX_TOKENS + 1, 64, 4, None),
+           (2, 37, 100, 4, dict(BT=16, BK=16, DS=32, FINISH_BK=32)),
+           (1, 70, 96, 4, dict(BT=16, BK=32, DS=96, FINISH_BK=32)),
+           (3, 30, 160, 7, dict(BT=32, BK=16, DS=64, FINISH_BK=16))]
+
+
+def split_d_case(B, T, D, G, config, scale, dtype=torch.float32):
+    r, norm = router(D, G), RMSNorm(D, 1e-5).to(DEV, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(randn(D, seed=10) + 1)
+        # a trained router's biases, not the zeros it starts from (on the scale of h's logits, so both matter)
+        r.down.bias.copy_(randn(32, seed=12, std=scale))
+        r.up.bias.copy_(randn(2 * G, seed=13, std=0.1 * scale))
+    x, res = randn(B, T, D, seed=7, std=scale).to(dtype), randn(B, T, D, seed=11, std=scale).to(dtype)
+    return r, norm, x, res
+
+
+@pytest.mark.parametrize("B, T, D, G, config", SPLIT_D, ids=["65 tokens", "D=100", "one slice", "BT=32, G=7"])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("scale", [4.0, 1e-3])  # 1e-3: mean square ~1e-6, where eps = 1e-5 matters
+def test_prefill_norm_route_splits_d_and_matches_twin_and_the_router_itself(launches, B, T, D, G, config,
+                                                                             with_residual, scale):
+    r, norm, x, res = split_d_case(B, T, D, G, config, scale)
+    residual = res if with_residual else None
+    with torch.no_grad():
+        normed, keep, keepf, live = kernels_step.norm_route(x, norm, r, residual, config=config)
+        ref_normed, ref, ref_f = kernels_step.norm_route_ref(x, norm, r, residual)
+        assert live is None, "a prefill chunk has no live list: gemm_mn's tiles take the mask"
+        assert torch.equal(keep, ref) and torch.equal(keepf, ref_f), "routing decisions must be identical"
+        assert torch.equal(keepf, r(res + x if with_residual else x)), "the twin is the router's own rule"
+        for got, want in zip(normed if with_residual else [normed], ref_normed if with_residual else [ref_normed]):
+            assert_close(got, want, atol=1e-5, what="h / RMSNorm(h) (or never written: NaN)")
+    cfg = kernels_step.config_for("norm_route_parts", config)
+    tiles, S = -(-B * T // cfg["BT"]), -(-D // cfg["DS"])
+    assert launches.grids["norm_route_part_kernel"] == [(tiles, S)], "a program per (token tile, D-slice)"
+    assert launches.grids["norm_route_finish_kernel"] == [(tiles, S + 1)], "... and one more per tile: the rule"
+    assert launches.count("norm_route_kernel") == 0
+    assert 0 < keep.float().mean() < 1, "a test router should skip some groups"
+
+
+@pytest.mark.parametrize("B, T, D, G, config", SPLIT_D[1:2] + SPLIT_D[3:], ids=["D=100", "BT=32, G=7"])
+def test_prefill_norm_route_in_bf16_matches_twin_to_rounding_and_decides_on_the_h_it_wrote(B, T, D, G, config):
+    # The interpreter's fp32 -> bf16 conversion may round differently from torch's, so h is checked to
+    # one bf16 step and the decisions against the router's rule on the h the kernel wrote.
+    r, norm, x, res = split_d_case(B, T, D, G, config, 4.0, torch.bfloat16)
+    with torch.no_grad():
+        (h, y), keep, keepf, _ = kernels_step.norm_route(x, norm, r, res, config=config)
+        (h_ref, y_ref), _, _ = kernels_step.norm_route_ref(x, norm, r, res)
+        assert h.dtype == y.dtype == torch.bfloat16 and keepf.dtype == torch.float32
+        assert ((h.float() - h_ref.float()).abs() <= 2 ** -7 * h_ref.float().abs()).all(), "h: one bf16 step"
+        assert_close(y.float(), kernels_step.rms_norm_ref(h, norm).float(), rtol=1e-2, what="RMSNorm(h)")
+        assert_close(y.float(), y_ref.float(), rtol=2e-2, what="RMSNorm(h) against the twin")
+        # the decisions: wide.Router's rule on the h written, wherever the two logits are more than 1e-4 apart
+        # (the kernel's fp32 sums run in another order than torch's and may break a near-tie the other way)
+        z = r.logits(h)
+        sure = (z[..., 0] - z[..., 1]).abs() > 1e-4
+        assert sure.float().mean() > 0.95 and torch.equal(keepf[sure], r(h)[sure])
+        assert torch.equal(keep, keepf > 0.5)
+
+
+def test_prefill_norm_route_executes_on_a_tie_and_skips_on_a_larger_skip_logit():
+    # groups 0 and 3: identical execute and skip rows (a tie, whatever h is: it runs); group 1: the skip
+    # logit larger by 1e-3 (skipped); group 2: smaller (runs). D = 100 in slices of 32: four partial sums.
+    B, T, D, G, config = SPLIT_D[1]
+    r, norm, x, res = split_d_case(B, T, D, G, config, 4.0)
+    with torch.no_grad():
+        up = r.up.weight.view(G, 2, -1)
+        up[1:3] = 0
+        up[:, 1] = up[:, 0]
+        r.up.bias.view(G, 2)[:, 1] = r.up.bias.view(G, 2)[:, 0] + torch.tensor([0.0, 1e-3, -1e-3, 0.0])
+        _, keep, keepf, _ = kernels_step.norm_route(x, norm, r, res, config=config)
+    assert keep.tolist() == [[[True, False, True, True]] * T] * B and torch.equal(keepf, keep.float())
 
 
 @pytest.mark.parametrize("M, K", [(1, 64), (5, 100), (3, 5000)])  # K: a power of two, not, past one program's slice

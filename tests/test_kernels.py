@@ -499,8 +499,9 @@ def test_every_kernel_that_takes_pdl_waits_before_its_first_load_or_store():
     # calls no helper, and loads only from the weights READ_BEFORE_WAIT names for it.
     import ast
     kernels_with_pdl = pdl_kernels()
-    assert {"_gemv_mn_kernel", "_gemm_k_kernel", "_attn_decode_kernel", "_norm_route_kernel"} <= \
-        {k for _, k, _ in kernels_with_pdl}, "the decode kernels take PDL"
+    assert {"_gemv_mn_kernel", "_gemm_k_kernel", "_attn_decode_kernel", "_norm_route_kernel",
+            "_norm_route_part_kernel", "_norm_route_finish_kernel"} <= \
+        {k for _, k, _ in kernels_with_pdl}, "the decode kernels and a prefill chunk's norm + router take PDL"
     harmless = {"arange", "program_id", "num_programs", "zeros", "full", "cdiv", "minimum", "maximum", "where"}
     for file, kernel, fn in kernels_with_pdl:
         body, params = fn.body, {a.arg for a in fn.args.args}

@@ -185,9 +185,10 @@ def test_the_thresholds_move_ops_between_triton_and_cublas():
     assert [where(M, False, "gate_up") for M in (1023, 2048, 4096)] == ["cuBLAS", "Triton", "Triton"]
     assert [where(M, False, "down") for M in (1024, 4096)] == ["cuBLAS", "cuBLAS"]  # gemm_k cannot skip in prefill
     kernels = lambda pol, M: pol.plan(policy.Shape(M, False), routed).layers[0]["attn_norm"].kernels
-    assert kernels(p, 64) == ("norm_route_kernel",) and kernels(p, 65) == ("norm_route_rows_kernel",)
+    chunk = ("norm_route_part_kernel", "norm_route_finish_kernel")  # a prefill chunk: D split, then added up
+    assert kernels(p, 64) == ("norm_route_kernel",) and kernels(p, 65) == chunk
     split = policy.Policy(router_split_max_tokens=256)
-    assert kernels(split, 256) == ("norm_route_kernel",) and kernels(split, 257) == ("norm_route_rows_kernel",)
+    assert kernels(split, 256) == ("norm_route_kernel",) and kernels(split, 257) == chunk
     assert where(4096, False, "attn_norm") == "Triton"  # the router in the norm's launch at any length
     assert kernels(policy.Policy(router_max_tokens=64), 65) == ("rms_norm_kernel",)  # then the module itself
     # the dense model's linears: WIDE's kernels with every group live up to dense_gemv_max_tokens, then cuBLAS

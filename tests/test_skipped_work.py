@@ -31,6 +31,8 @@ What is pinned (GS = 16 channels per group; "live" = some token of the step, or 
       pos < kv_len[b], else never; an inactive query head's q is never read.
   quantize_rows (an fp8 input for _scaled_mm, SwiGLU and the mask fused) and swiglu_rows (the same in the
       model dtype): a pruned channel's gate and up are never read.
+  norm_route on a prefill chunk (nothing to skip, but D split over programs must not re-read): x and the
+      residual once, h once more for RMSNorm(h), the router's first Linear once per token tile.
 fp8 weights (quantize_fp8 codes + w_scale) go through the same checks: the decode kernels read the codes;
 gemm_mn's token tiles read the dequantized copy the op makes (the recorder follows the kernel's argument).
 What the kernels write is test_kernels.py's business; here only what they read.
@@ -49,6 +51,8 @@ import kernels_base
 import kernels_gemv
 import kernels_layout
 import kernels_step
+import wide
+from model import RMSNorm
 
 pytestmark = pytest.mark.skipif(not kernels_base.INTERPRET, reason="reads are recorded through the Triton interpreter")
 
@@ -369,3 +373,24 @@ def test_swiglu_never_reads_the_gate_or_up_of_a_pruned_channel(kind, M, fp8):
     read = rec.reads("_quantize_rows_kernel", "x") if fp8 else rec.reads("_swiglu_rows_kernel", "gu")
     assert torch.equal(read, torch.cat([runs, runs], 1))
 
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_prefill_norm_route_reads_each_row_once_and_the_routers_weights_once_per_token_tile(with_residual):
+    # kernels_step's D-split pair on 37 tokens, D = 100 in slices of 32 (the last one short), tiles of 16
+    M, D, BT = 37, 100, 16
+    torch.manual_seed(0)
+    r, norm = wide.Router(D, 4, 32).eval(), RMSNorm(D, 1e-5)
+    x, res = randn(1, M, D, seed=1), randn(1, M, D, seed=2)
+    with recorded_loads() as rec, torch.no_grad():
+        kernels_step.norm_route(x, norm, r, res if with_residual else None,
+                                config=dict(BT=BT, BK=16, DS=32, FINISH_BK=32), split_max_tokens=0)
+    once = torch.ones(M, D, dtype=torch.long)
+    assert torch.equal(rec.reads("_norm_route_part_kernel", "x"), once)
+    assert torch.equal(rec.reads("_norm_route_part_kernel", "res"), once)  # (without a residual: x itself)
+    assert torch.equal(rec.reads("_norm_route_part_kernel", "wd"), torch.full((32, D), -(-M // BT)))
+    assert torch.equal(rec.reads("_norm_route_finish_kernel", "h"), once), "h (or x) once more, for RMSNorm(h)"
+    # the slices' partial sums: a tile's sums of squares by each of its S slices' programs, its share of the
+    # first Linear by the one program that applies the rule (S = 4 slices, rank 32)
+    assert torch.equal(rec.reads("_norm_route_finish_kernel", "part_ss"), torch.full((4, M), 4))
+    assert torch.equal(rec.reads("_norm_route_finish_kernel", "part_z"), torch.ones(4, M, 32, dtype=torch.long))
