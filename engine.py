@@ -11,7 +11,8 @@ every skipped group is never done. A one-token decode step, layer by layer (poli
 `Engine` over the same weights, whose ops run their Triton kernels (on a GPU, or under TRITON_INTERPRET=1 on
 a CPU) or cuBLAS / SDPA where the plan says so, never a twin. fp8 weights (`weights="fp8"`): the prunable
 linears quantized once to e4m3, one scale per output channel, read as codes by the decode kernels.
-CUDAGraphDecoder replays a decode step as a CUDA graph (generate.py, serve.py, the benchmarks).
+CUDAGraphDecoder replays a decode step as a CUDA graph (generate.py, serve.py, the benchmarks), CUDAGraphPrefill
+a prefill chunk (serve.py).
 """
 import time
 from typing import NamedTuple
@@ -519,6 +520,59 @@ class CUDAGraphDecoder:
     def __call__(self, token, pos):
         self.token.copy_(token)
         self.pos.copy_(pos)
+        self.graph.replay()
+        return self.logits
+
+
+# A prefill chunk is padded to the next of these lengths (then per 1024): the shapes that get a CUDA graph.
+PREFILL_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
+
+
+def prefill_sizes(longest):
+    """The chunk lengths with a graph of their own, up to `longest`: a chunk is padded to the next one."""
+    return sorted({b for b in PREFILL_BUCKETS if b < longest} | set(range(3072, longest, 1024)) | {longest})
+
+
+class CUDAGraphPrefill:
+    """One row's prefill chunk of up to `tokens` tokens as a CUDA graph, at start 0 or after it (`later`), into
+    the KV cache the model holds at capture (serve.py: one stage row every request prefills in). An eager
+    chunk is a few hundred launches from the host, which hold a short chunk up; a replay is one.
+
+    A shorter chunk is padded to `tokens` after its real tokens: causal attention keeps the real tokens from
+    seeing the padding, whose logits are never read and whose K/V land at the positions after the chunk,
+    which the request writes again before it reads them (a later chunk, a decode step). The chunk's start
+    reaches the kernels on the device (positions = arange + start), so one graph serves every start with room
+    for `tokens` after it. pool: a graph memory pool shared by graphs that never run at once."""
+
+    def __init__(self, model, tokens, later, positions, pool=None):
+        device = model.tickets.device
+        self.tokens, self.later, self.positions = tokens, later, positions
+        self.idx = torch.zeros(1, tokens, dtype=torch.long, device=device)
+        self.base = torch.arange(tokens, device=device)
+        self.start = torch.full((1,), int(later), dtype=torch.long, device=device)
+        self.last = torch.zeros(1, dtype=torch.long, device=device)
+        # start=int(later): what the plan needs (0 or after it) with no host read of the device start
+        forward = lambda: model(self.idx, input_pos=self.base + self.start, logits_at=self.last, start=int(later))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = forward()  # [1, 1, vocab]
+
+    def fits(self, n, start):
+        return n <= self.tokens and (start > 0) == self.later and start + self.tokens <= self.positions
+
+    def __call__(self, ids, start):
+        """Logits [1, 1, vocab] of the last of `ids` (token ids) placed at positions start.. of the cache row.
+        The buffer is the graph's: read it before the next replay of any graph in the pool."""
+        n = len(ids)
+        self.idx[0, :n].copy_(torch.tensor(ids), non_blocking=True)
+        self.start.fill_(start)
+        self.last.fill_(n - 1)
         self.graph.replay()
         return self.logits
 

@@ -469,3 +469,29 @@ def save_checkpoint(path, model, tokenizer=None, extra_tensors=None, extra_files
         os.replace(path, old)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------- picking the next token
+def greedy(logits):
+    """logits [..., vocab] -> the argmax ids [...], -1 where a row holds NaN or inf. One tensor, so the
+    one host read of a step brings back the tokens and the finiteness check together."""
+    return torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), -1)
+
+
+def sample_rows(logits, temperature, top_k, top_p, noise):
+    """logits [n, vocab] -> ids [n], -1 where a row holds NaN or inf; per row i: temperature[i] == 0 is
+    greedy, else a draw from softmax(logits[i] / temperature[i]) over its top_k[i] likeliest tokens (0: all)
+    and, of those, the smallest set whose probability reaches top_p[i]. The draw is the Gumbel-max trick on
+    noise[i] (uniform draws from row i's request's own generator), so a request's tokens never depend on
+    which other requests share its step."""
+    x = logits.float() / temperature.clamp_min(1e-6)[:, None]
+    ranked, order = x.sort(-1, descending=True)
+    k = torch.where(top_k > 0, top_k, x.shape[-1]).clamp_max(x.shape[-1])
+    cut = torch.arange(x.shape[-1], device=x.device)[None, :] >= k[:, None]  # past the top k
+    prob = ranked.masked_fill(cut, float("-inf")).softmax(-1)  # the top k's distribution, likeliest first
+    cut |= prob.cumsum(-1) - prob >= top_p[:, None]  # the likelier tokens already reach top_p
+    cut[:, 0] = False  # the likeliest token always stays
+    gumbel = -torch.log(-torch.log(noise.gather(-1, order).clamp(1e-20, 1.0 - 1e-7)))
+    drawn = order.gather(-1, (ranked + gumbel).masked_fill(cut, float("-inf")).argmax(-1, keepdim=True))[:, 0]
+    ids = torch.where(temperature > 0, drawn, logits.argmax(-1))
+    return torch.where(torch.isfinite(logits).all(-1), ids, -1)

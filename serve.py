@@ -4,11 +4,13 @@ Serving: many requests at once through one static KV cache (continuous batching)
         queue ─► free slot ─► prefill (whole prompt, or chunk by chunk) ─► decode steps ─► done, slot freed
                                    one prefill piece, then one decode step for all running slots, repeat
 
-The cache has `n_slots` rows of `slot_len` positions, set up once. A request takes the lowest free slot, is
-prefilled straight into that row (SlotView: generate.py's prefill at batch 1, no copy), then decodes one
-token per step next to every other running request, each at its own position. A decode step runs the
-smallest bucket of rows (BUCKETS) that covers the highest running slot, one CUDA graph per bucket on a GPU
-(Server.warm_up compiles every kernel and captures every graph before the first request);
+The cache has `n_slots` rows of `slot_len` positions, set up once, and one more: the stage. A request takes
+the lowest free slot, is prefilled in the stage row (generate.py's prefill at batch 1; one request at a time,
+each chunk a CUDA graph on a GPU, padded to the next of engine.PREFILL_BUCKETS), its prompt's K/V then copied
+to its slot once; then it decodes one token per step next to every other running request, each at its own
+position. A decode step runs the smallest bucket of rows (BUCKETS) that covers the highest running slot, one
+CUDA graph per bucket on a GPU (Server.warm_up compiles every kernel and captures every graph before the first
+request);
 rows that are not decoding run a dummy token where no request reads. Overload, cancellation and non-finite
 logits end one request alone, with one line in Request.error (tests/test_serve_stress.py). Greedy, with decode
 steps of at most model.ffn_rule.max_rows rows (wide.FFNRule), gives every request the tokens of generating it
@@ -33,7 +35,7 @@ import checkpoints
 import cli
 import data
 import engine
-from model import KVCache
+from model import KVCache, greedy, sample_rows
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # decode batch sizes with their own CUDA graph
 
@@ -70,31 +72,6 @@ class SlotView(torch.nn.Module):
     update = KVCache.update  # scatter K/V at input_pos ([T], or [B, T] per row), as the full cache does
 
 
-def greedy(logits):
-    """logits [..., vocab] -> the argmax ids [...], -1 where a row holds NaN or inf. One tensor, so the
-    one host read of a step brings back the tokens and the finiteness check together."""
-    return torch.where(torch.isfinite(logits).all(-1), logits.argmax(-1), -1)
-
-
-def sample_rows(logits, temperature, top_k, top_p, noise):
-    """logits [n, vocab] -> ids [n], -1 where a row holds NaN or inf; per row i: temperature[i] == 0 is
-    greedy, else a draw from softmax(logits[i] / temperature[i]) over its top_k[i] likeliest tokens (0: all)
-    and, of those, the smallest set whose probability reaches top_p[i]. The draw is the Gumbel-max trick on
-    noise[i] (uniform draws from row i's request's own generator), so a request's tokens never depend on
-    which other requests share its step."""
-    x = logits.float() / temperature.clamp_min(1e-6)[:, None]
-    ranked, order = x.sort(-1, descending=True)
-    k = torch.where(top_k > 0, top_k, x.shape[-1]).clamp_max(x.shape[-1])
-    cut = torch.arange(x.shape[-1], device=x.device)[None, :] >= k[:, None]  # past the top k
-    prob = ranked.masked_fill(cut, float("-inf")).softmax(-1)  # the top k's distribution, likeliest first
-    cut |= prob.cumsum(-1) - prob >= top_p[:, None]  # the likelier tokens already reach top_p
-    cut[:, 0] = False  # the likeliest token always stays
-    gumbel = -torch.log(-torch.log(noise.gather(-1, order).clamp(1e-20, 1.0 - 1e-7)))
-    drawn = order.gather(-1, (ranked + gumbel).masked_fill(cut, float("-inf")).argmax(-1, keepdim=True))[:, 0]
-    ids = torch.where(temperature > 0, drawn, logits.argmax(-1))
-    return torch.where(torch.isfinite(logits).all(-1), ids, -1)
-
-
 def read(now):
     return time.perf_counter() if now is None else now()
 
@@ -116,8 +93,12 @@ class Server:
         self.chunk = chunk
         self.device = self.model.embed_tokens.weight.device
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
-        forward.setup_caches(n_slots, slot_len)
+        forward.setup_caches(n_slots + 1, slot_len)  # the last row: the stage every prefill runs in
         self.caches = [layer.self_attn.kv_cache for layer in self.model.layers]
+        # Prefill graphs need the engine, and a chunk after the first whose attention reads its start on the device
+        self.graph_prefill = self.cuda_graph and self.is_engine and forward.policy.dense_chunk_attention == "triton"
+        self.stage, self.staged = n_slots, None  # the stage's row, and the request prefilling there
+        self.prefill_graphs = []  # engine.CUDAGraphPrefill, shortest first
         self.buckets = sorted({b for b in BUCKETS if b < n_slots} | {n_slots})
         self.graphs = {}                 # bucket -> CUDAGraphDecoder
         self.slots = [None] * n_slots    # the request in each slot, or None
@@ -128,6 +109,7 @@ class Server:
 
     def close(self):
         self.graphs.clear()
+        self.prefill_graphs.clear()
         self.caches = []  # the cache's memory goes back before the next Server allocates its own
         self.forward.clear_caches()
 
@@ -180,6 +162,10 @@ class Server:
             self.slots[req.slot] = None  # free at once: the next request can take it in the next iteration
             if error is not None:
                 self.scrub(req.slot)
+                if self.staged is req:
+                    self.scrub(self.stage)
+        if self.staged is req:
+            self.staged = None
         self.done.append(req)
 
     def scrub(self, slot):
@@ -201,9 +187,9 @@ class Server:
             req.slot = self.slots.index(None)  # the lowest free slot keeps the decode bucket small
             self.slots[req.slot] = req
         filling = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]
-        if filling:
+        if filling:  # the stage holds one request's prompt: it finishes before the next one starts
             with self.timed("prefill") as mark:
-                mark[-1] = self.prefill(min(filling, key=lambda r: r.arrival), now)
+                mark[-1] = self.prefill(self.staged or min(filling, key=lambda r: r.arrival), now)
         if any(r is not None and r.tokens for r in self.slots):
             with self.timed("decode") as mark:
                 mark[-1] = self.decode(now)
@@ -228,15 +214,23 @@ class Server:
     def prefill(self, req, now):
         P, start = len(req.prompt), req.prefilled
         end = P if not self.chunk else min(P, start + self.chunk)
-        self.use_rows(slice(req.slot, req.slot + 1))
-        idx = torch.tensor([req.prompt[start:end]], device=self.device)                   # [1, T]
-        pos = torch.arange(start, end, device=self.device)                                # [T]
-        logits = self.forward(idx, input_pos=pos, logits_at=torch.tensor([end - start - 1], device=self.device))
+        self.staged, ids = req, req.prompt[start:end]
+        graph = next((g for g in self.prefill_graphs if g.fits(end - start, start)), None)
+        if graph is not None:
+            logits = graph(ids, start)
+        else:
+            self.use_rows(slice(self.stage, self.stage + 1))
+            logits = self.forward(torch.tensor([ids], device=self.device), logits_at=torch.tensor([len(ids) - 1]).to(
+                self.device), input_pos=torch.arange(start, end, device=self.device))
         req.prefilled = end
         # Only the last piece is read back: a NaN in an earlier chunk's K/V shows there, as every later
-        # position attends to it.
-        if end == P:  # the last piece: its last position gives the first new token (or -1: not finite)
-            self.take(req, int(self.pick(logits[:, -1], [req])[0]), now)
+        # position attends to it. Its last position gives the first new token (or -1: not finite).
+        if end == P:  # the prompt's K/V go from the stage to the request's slot, where its decode steps read them
+            for cache in self.caches:
+                cache.k_cache[req.slot, :, :P].copy_(cache.k_cache[self.stage, :, :P])
+                cache.v_cache[req.slot, :, :P].copy_(cache.v_cache[self.stage, :, :P])
+            self.take(req, int(self.pick(logits[:, -1], [req])[0]), now)  # a NaN there scrubs the stage too
+            self.staged = None
         return end - start
 
     def decode(self, now):
@@ -303,10 +297,18 @@ class Server:
         """Before the first request, so that none pays a compile in its latency: a prefill chunk of every shape a
         request can reach (Engine.warm_prefill; default: on a GPU, as the interpreter compiles nothing), and every
         decode bucket's CUDA graph (all slots free: dummy rows at position 0)."""
+        longest = self.chunk or self.slot_len - 1
         if self.is_engine and (self.cuda_graph if prefill is None else prefill):
-            self.use_rows(slice(0, 1))
-            self.forward.warm_prefill(self.chunk or self.slot_len - 1, self.slot_len - 1)
-            self.scrub(0)
+            self.use_rows(slice(self.stage, self.stage + 1))
+            self.forward.warm_prefill(longest, self.slot_len - 1)
+            if self.graph_prefill:  # every chunk length's bucket, at start 0 and after it; one memory pool
+                self.prefill_graphs.clear()
+                pool = torch.cuda.graph_pool_handle()
+                for later in (False, True) if longest < self.slot_len - 1 else (False,):
+                    self.prefill_graphs += [engine.CUDAGraphPrefill(self.forward, n, later, self.slot_len, pool)
+                                            for n in engine.prefill_sizes(longest)]
+                self.prefill_graphs.sort(key=lambda g: g.tokens)
+            self.scrub(self.stage)
         for n in self.buckets if self.cuda_graph else []:
             self.use_rows(slice(0, n))
             z = torch.zeros(n, 1, dtype=torch.long, device=self.device)

@@ -6,10 +6,10 @@ A serving loop prefills a long prompt in chunks (serve.py --chunk, 2048 by defau
 chunks it runs a remainder of any length, and every chunk after the first starts at a position > 0 where the
 chunk attends to the cache before it. For each chunk length T and start S: one chunk of T tokens at positions
 S..S+T-1 of a one-row cache (filled with random K/V up to S), logits of its last token only, timed with CUDA
-events (median of 5 after 2 warm-ups) two ways: as Server.prefill runs it, eagerly (one launch per op from the
-host), and as a CUDA graph replay (CUDAGraphPrefill below, at the bucket the chunk is padded to, its staging
-copies included): what the chunk costs without the host's launches. The profiles: dense (the routers removed, the engine's dense path at its best)
-and WIDE with the serving benchmark's two calibrations (bench/serving.py).
+events (median of 5 after 2 warm-ups) two ways: as Server.prefill runs it on a GPU, a CUDA graph replay
+(engine.CUDAGraphPrefill at the bucket the chunk is padded to), and eagerly (one launch per op from the host).
+The profiles: dense (the routers removed, the engine's dense path at its best) and WIDE with the serving
+benchmark's two calibrations (bench/serving.py).
 
 Each row also has the op breakdown of one replay (torch.profiler, kernels assigned to the plan's ops as in
 bench/step_profile.py), so a length where WIDE loses says which op loses.
@@ -21,10 +21,10 @@ import time
 import torch
 
 import cli
+import engine
 from bench import common
 from bench.common import SMOKE, ModelSetup, clock_ms, fill_cache, meta, random_model, save, set_profile, with_engine
 from bench.step_profile import assign_ops, kernel_events
-from model import KVCache
 from policy import Policy
 from wide import routers_on
 
@@ -33,79 +33,6 @@ STARTS = (0, 8192)
 PROFILES = (("dense", None), ("WIDE 50/50", (0.5, 0.5)), ("WIDE 75/25", (0.75, 0.25)))
 ORDER = ("embedding", "attn_norm", "attn_layout", "qkv", "rope", "attention", "o", "ffn_norm", "ffn_layout",
          "gate_up", "down", "step_every_head", "step_norm", "step_head")  # the op breakdown's columns
-
-
-PREFILL_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)  # then per 1024
-
-
-def prefill_sizes(longest):
-    """The chunk lengths with a graph of their own, up to `longest`: a chunk is padded to the next one."""
-    return sorted({b for b in PREFILL_BUCKETS if b < longest} | set(range(3072, longest, 1024)) | {longest})
-
-
-class CUDAGraphPrefill:
-    """One row's prefill chunk of up to `tokens` tokens as a CUDA graph, at start 0 or after it (`later`): what a
-    chunk costs without the host's launches, which hold an eager chunk up (a WIDE chunk's about twice dense's).
-    A design measured here, not served: in serve.py's 64-slot cache at the 8B shape its replays met an illegal
-    memory access that the small GPU tests did not show (results/prefill_chunks_h200.md).
-
-    A shorter chunk is padded to `tokens` after its real tokens: causal attention keeps the real tokens from
-    seeing the padding, whose logits are never read and whose K/V land at the positions after the chunk,
-    which the request writes again before it reads them (a later chunk, a decode step). The chunk's start
-    reaches the kernels as input_pos[0] on the device, so one graph serves every start with room for `tokens`
-    (fits). A graph holds the addresses it was captured with, and a request may sit in any cache row: the
-    graph runs the chunk on `stage` (one row per layer) and copies between it and the request's row (`row`,
-    on the device) of each layer's cache [slots, ...]: the chunk's positions at start 0, the whole row after."""
-
-    def __init__(self, model, tokens, later, caches, stage, row):
-        device, layers = model.tickets.device, model.model.layers
-        self.tokens, self.later, self.positions = tokens, later, stage[0].k_cache.shape[2] - 1
-        self.idx = torch.zeros(1, tokens, dtype=torch.long, device=device)
-        self.pos = torch.arange(int(later), int(later) + tokens, device=device)
-        self.last, self.row = torch.zeros(1, dtype=torch.long, device=device), row
-        self.caches, self.stage = caches, stage  # the graph holds their addresses: they live as long as it does
-
-        def forward():
-            # A chunk at start 0 reads and writes only its own positions; a later one reads the row's prefix and
-            # writes after it, both where its start says: it copies the whole row in and out.
-            end = None if later else tokens
-            for c, st in zip(caches, stage) if later else ():
-                torch.index_select(c.k_cache, 0, row, out=st.k_cache)
-                torch.index_select(c.v_cache, 0, row, out=st.v_cache)
-            logits = model(self.idx, input_pos=self.pos, logits_at=self.last, start=int(later))
-            for c, st in zip(caches, stage):
-                c.k_cache[:, :, :end].index_copy_(0, row, st.k_cache[:, :, :end])
-                c.v_cache[:, :, :end].index_copy_(0, row, st.v_cache[:, :, :end])
-            return logits
-        saved = [layer.self_attn.kv_cache for layer in layers]
-        for layer, st in zip(layers, stage):
-            layer.self_attn.kv_cache = st
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    forward()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = forward()  # [1, 1, vocab]
-        finally:
-            for layer, c in zip(layers, saved):
-                layer.self_attn.kv_cache = c
-
-    def fits(self, n, start):
-        return n <= self.tokens and (start > 0) == self.later and start + self.tokens <= self.positions
-
-    def __call__(self, ids, start, row):
-        """Logits [1, 1, vocab] of the last of `ids` (token ids) placed at positions start.. of cache row `row`."""
-        n = len(ids)
-        self.idx[0, :n].copy_(torch.tensor(ids), non_blocking=True)
-        self.pos.copy_(torch.arange(start, start + self.tokens), non_blocking=True)
-        self.last.fill_(n - 1)
-        self.row.fill_(row)
-        self.graph.replay()
-        return self.logits
 
 
 def smoke_run():
@@ -117,9 +44,8 @@ def smoke_run():
 @torch.no_grad()
 def time_chunk(run, e, T, start, reps=5):
     """(eager ms, graph ms, host ms, {op: us}) of one chunk of T tokens at positions start..start+T-1 of a one-row
-    cache: eagerly as Server.prefill runs it, as a CUDA graph (CUDAGraphPrefill at the bucket a chunk of T is padded
-    to, its staging copies included; the op breakdown is of that replay), and the host's time to issue the eager
-    chunk's launches alone."""
+    cache: eagerly, as a CUDA graph as Server.prefill runs it (engine.CUDAGraphPrefill at the bucket a chunk of T is
+    padded to; the op breakdown is of that replay), and the host's time to issue the eager chunk's launches alone."""
     idx = torch.randint(0, e.config.vocab_size, (1, T), device=run.device)
     pos = torch.arange(start, start + T, device=run.device)
     last = torch.tensor([T - 1], device=run.device)
@@ -139,13 +65,10 @@ def time_chunk(run, e, T, start, reps=5):
     e(idx, input_pos=pos, logits_at=last, start=start)
     host = (time.perf_counter() - t) * 1e3
     torch.cuda.synchronize()
-    caches = [layer.self_attn.kv_cache for layer in e.model.layers]
-    c = caches[0].k_cache
-    stage = [KVCache(1, c.shape[2], c.shape[1], c.shape[3], c.dtype, c.device) for _ in caches]
-    bucket = next(n for n in prefill_sizes(max(LENGTHS)) if n >= T)
-    g = CUDAGraphPrefill(e, bucket, start > 0, caches, stage, torch.zeros(1, dtype=torch.long, device=c.device))
+    bucket = next(n for n in engine.prefill_sizes(max(LENGTHS)) if n >= T)
+    g = engine.CUDAGraphPrefill(e, bucket, start > 0, e.model.layers[0].self_attn.kv_cache.k_cache.shape[2])
     ids = idx[0].tolist()
-    replay = lambda n: [g(ids, start, 0) for _ in range(n)]
+    replay = lambda n: [g(ids, start) for _ in range(n)]
     graph = median(replay)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -154,7 +77,7 @@ def time_chunk(run, e, T, start, reps=5):
     ops = {}
     for label, _, us, _ in assign_ops(kernel_events(prof), e.step_plan(bucket, False, start)):
         ops[label] = round(ops.get(label, 0.0) + us, 1)
-    del g, stage
+    del g
     return eager, graph, host, ops
 
 
@@ -171,7 +94,7 @@ def profile_rows(run, m, routers, name, sparsity, lengths, starts, log, policy):
                 eager, graph, host, ops = time_chunk(run, e, T, start)
                 rows.append(dict(profile=name, start=start, tokens=T, eager_ms=round(eager, 3),
                                  graph_ms=graph and round(graph, 3), host_ms=host and round(host, 3), ops=ops,
-                                 ms_per_1k=round(eager / T * 1e3, 2)))
+                                 ms_per_1k=round((graph or eager) / T * 1e3, 2)))
                 log(f"{name}, start {start}, {T} tokens: {eager:.2f} ms eager, graph {graph or 0:.2f} ms, "
                     f"host {host or 0:.2f} ms")
         e.clear_caches()
@@ -201,18 +124,18 @@ def markdown(rec):
     by = {(r["profile"], r["start"], r["tokens"]): r for r in rows}
     out = [f"# Prefill chunks, WIDE against dense ({rec['gpu']})", "",
            f"torch {rec['torch']}, triton {rec['triton']}, {rec['date']}, `{rec['command']}`. {rec['model']}. "
-           f"{rec['timing']}", ""] + ([rec["note"], ""] if rec.get("note") else []) + [
-           "ms of one chunk as the server runs it, eagerly (vs dense: dense ms / WIDE ms, > 1 = WIDE faster):", ""]
-    out += chunk_table(rec, "eager_ms")
-    worst = [(d["eager_ms"] / r["eager_ms"], r) for r in rows if r["profile"] != "dense"
+           f"{rec['timing']}", ""] + ([rec["note"], ""] if rec.get("note") else [])
+    served = "graph_ms" if rows[0]["graph_ms"] else "eager_ms"  # the smoke run has no graphs
+    out += [f"ms of one chunk as the server runs it ({'a CUDA graph' if rows[0]['graph_ms'] else 'eagerly'}; vs "
+            "dense: dense ms / WIDE ms, > 1 = WIDE faster):", ""] + chunk_table(rec, served)
+    worst = [(d[served] / r[served], r) for r in rows if r["profile"] != "dense"
              for d in [by.get(("dense", r["start"], r["tokens"]))] if d]
     if worst:
         ratio, r = min(worst, key=lambda x: x[0])
         out += ["", f"Slowest WIDE chunk against dense: {r['profile']}, {r['tokens']} tokens at start {r['start']}: "
                 f"{ratio:.2f}x."]
     if rows[0]["graph_ms"]:
-        out += ["", "The same chunks as CUDA graph replays (CUDAGraphPrefill: no host launches; not served yet):",
-                ""] + chunk_table(rec, "graph_ms")
+        out += ["", "The same chunks launched eagerly, op by op from the host:", ""] + chunk_table(rec, "eager_ms")
     if rows[0].get("host_ms"):
         out += ["", "The host's time to issue one eager chunk's launches (ms; the GPU kept busy meanwhile, so the "
                 "host never waits): where it exceeds the graph's time, the host sets the eager chunk's pace:", ""]
@@ -220,8 +143,7 @@ def markdown(rec):
     seen = {k for r in rows for k in r["ops"]}
     ops = [k for k in ORDER if k in seen] + sorted(seen - set(ORDER))
     if ops:
-        out += ["", "Kernel time per op in one replay (us, summed over the layers; torch.profiler; the staging copies "
-                "fall to the first and last ops):", "",
+        out += ["", "Kernel time per op in one replay (us, summed over the layers; torch.profiler):", "",
                 "| profile | start | tokens | " + " | ".join(ops) + " |", "|---|---|---|" + "---|" * len(ops)]
         for r in rows:
             out.append(f"| {r['profile']} | {r['start']} | {r['tokens']} | "
@@ -230,13 +152,13 @@ def markdown(rec):
 
 
 def plot(rec, path):
-    """dense ms / WIDE ms against the chunk length: eager (as served) and as a graph, at each start."""
+    """dense ms / WIDE ms against the chunk length: as a graph (as served) and eager, at each start."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = rec["rows"]
     by = {(r["profile"], r["start"], r["tokens"]): r for r in rows}
-    keys = [("eager_ms", "eager (served)")] + ([("graph_ms", "CUDA graph")] if rows[0]["graph_ms"] else [])
+    keys = ([("graph_ms", "CUDA graph (served)")] if rows[0]["graph_ms"] else []) + [("eager_ms", "eager")]
     fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
     names = [n for n in dict.fromkeys(r["profile"] for r in rows) if n != "dense"]
     for ax, (key, title) in zip(axes[0], keys):
@@ -299,8 +221,8 @@ def main(argv=None):
                model=f"{'tiny (--smoke)' if args.smoke else run.preset} shape, random weights; routers calibrated "
                      f"per profile on a random {run.calibrate_tokens}-token prompt (bench/common.py set_profile)",
                timing="one chunk into a one-row cache (its K/V up to the start random), logits of its last token; "
-                      "CUDA events, median of 5 after 2 warm-ups; eagerly, and as a CUDA graph (CUDAGraphPrefill, padded to "
-                      "the bucket the server pads it to) and eagerly")
+                      "CUDA events, median of 5 after 2 warm-ups; as a CUDA graph (engine.CUDAGraphPrefill, padded to "
+                      "the bucket the server pads it to, as served) and eagerly")
     for name, sparsity in args.profiles or (PROFILES if not args.smoke else PROFILES[:2]):
         rec["rows"] += profile_rows(run, m, routers, name, sparsity, lengths, starts, log, args.policy)
         routers_on(m, routers)

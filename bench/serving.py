@@ -281,9 +281,9 @@ def plot_serving(rec, path):
 
 
 def cache_bytes(cfg, n_slots, slot_len, element_size):
-    """The KV cache of n_slots x slot_len positions (K and V of every layer), plus the model's
-    [slot_len, slot_len] causal mask of bools (model.setup_caches)."""
-    return n_slots * slot_len * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * element_size + slot_len ** 2
+    """The KV cache of n_slots x slot_len positions and the prefill stage's row (K and V of every layer), plus
+    the model's [slot_len, slot_len] causal mask of bools (model.setup_caches)."""
+    return (n_slots + 1) * slot_len * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * element_size + slot_len ** 2
 
 
 def check_cache_fits(m, w, slot_len, headroom=4 << 30):
@@ -310,8 +310,9 @@ def serving_meta(w, run, args, argv, m, slot_len):
                          f"{w.output[1]} tokens, greedy, {w.n_slots} slots of {slot_len} positions "
                          f"(KV cache {gib:.1f} GiB)",
                 engine="engine.Engine (Triton) for every profile; dense = the routers removed; prompts prefilled in "
-                       f"chunks of {args.chunk} tokens, one chunk per loop iteration between decode steps, launched "
-                       "op by op; decode steps replayed as CUDA graphs per batch bucket"
+                       f"chunks of {args.chunk} tokens in the stage row, one chunk per loop iteration between decode "
+                       "steps, each a CUDA graph padded to its bucket (engine.PREFILL_BUCKETS); decode steps "
+                       "replayed as CUDA graphs per batch bucket"
                        + (" (eager on the CPU)" if w.smoke else ""))
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import engine
-from model import ModelConfig
+from model import ModelConfig, sample_rows
 from policy import Policy
 import kernels_base
 import serve
@@ -175,7 +175,7 @@ def draws(logits, n, temperature=1.0, top_k=0, top_p=1.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     rows = logits.expand(n, -1)
     p = lambda v, dtype: torch.full((n,), v, dtype=dtype)
-    return serve.sample_rows(rows, p(temperature, torch.float32), p(top_k, torch.long), p(top_p, torch.float32),
+    return sample_rows(rows, p(temperature, torch.float32), p(top_k, torch.long), p(top_p, torch.float32),
                              torch.rand(n, logits.shape[-1], generator=g))
 
 
@@ -198,7 +198,7 @@ def test_sampled_tokens_follow_the_softmax_over_the_top_k_and_the_nucleus(temper
 def test_greedy_rows_and_non_finite_rows_in_a_sampled_step():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
     logits[3, 7] = float("nan")
-    ids = serve.sample_rows(logits, torch.tensor([0.0, 1.0, 0.5, 1.0]), torch.tensor([0, 1, 0, 0]),
+    ids = sample_rows(logits, torch.tensor([0.0, 1.0, 0.5, 1.0]), torch.tensor([0, 1, 0, 0]),
                             torch.tensor([1.0, 1.0, 1.0, 1.0]), torch.rand(4, 50))
     assert ids[0] == logits[0].argmax() and ids[1] == logits[1].argmax(), "temperature 0 and top_k 1 are greedy"
     assert ids[3] == -1, "a row holding NaN gives -1 (the request alone is stopped)"
@@ -299,3 +299,34 @@ def test_gpu_a_warmed_up_server_compiles_nothing_while_it_serves(routers):
         server.close()
     assert all(r.error is None and len(r.tokens) == r.max_new_tokens for r in reqs)
     assert not compiled, f"{len(compiled)} kernels compiled while serving: {[str(c)[:80] for c in compiled[:3]]}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: prefill chunks replay as CUDA graphs")
+@pytest.mark.parametrize("routers", [True, False], ids=["wide", "dense"])
+def test_gpu_prefill_graphs_in_the_stage_row_serve_every_request_as_generated_alone(routers, monkeypatch):
+    # Every chunk padded to its bucket and replayed in the stage row, at start 0 and after it, the prompt's K/V
+    # then copied to its slot; a chunk with no room for its bucket's padding runs eagerly. Greedy, fp32: each
+    # request's tokens equal generating it alone.
+    cfg = ModelConfig(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, intermediate_size=1024,
+                      max_seq_len=400)
+    m = wide_model("cuda", torch.float32, seed=6, routers=routers, std=0.05, cfg=cfg, ffn_group_size=128)
+    e = engine.Engine(m)
+    replays = []
+    call = engine.CUDAGraphPrefill.__call__
+    monkeypatch.setattr(engine.CUDAGraphPrefill, "__call__", lambda g, ids, start: replays.append(
+        (len(ids), start, g.tokens)) or call(g, ids, start))
+    server = serve.Server(e, 3, 400, chunk=100)
+    server.warm_up()
+    assert {g.later for g in server.prefill_graphs} == {False, True}
+    g = random.Random(7)
+    lengths = [1, 2, 37, 100, 101, 263, 390]  # 390 + 2 new tokens: its last chunk has no room for a bucket of 128
+    reqs = [serve.Request([g.randrange(512) for _ in range(n)], 2 if n == 390 else 6, arrival=i * 0.01)
+            for i, n in enumerate(lengths)]
+    try:
+        server.serve(reqs)
+    finally:
+        server.close()
+    for r in reqs:
+        assert r.error is None and r.tokens == alone(e, r), f"prompt of {len(r.prompt)}"
+    assert any(start > 0 for _, start, _ in replays) and all(n <= t for n, _, t in replays)
+    assert (90, 300, 128) not in replays  # 300 + 128 > 400 positions: that chunk ran eagerly

@@ -14,6 +14,7 @@ import torch
 
 import engine
 import serve
+from model import greedy
 from test_e2e import SKIPPING, wide_model
 from test_serve import alone, requests
 
@@ -113,9 +114,10 @@ def poison(server, req):
     """NaN into every layer's K/V cache of req's slot, at the positions it has written: its next forward
     reads them (a hidden state gone bad) and its logits come out NaN."""
     written = req.prefilled + max(0, len(req.tokens) - 1)
+    row = server.stage if server.staged is req else req.slot  # between chunks its prompt is in the stage row
     for cache in server.caches:
-        cache.k_cache[req.slot, :, :written] = math.nan
-        cache.v_cache[req.slot, :, :written] = math.nan
+        cache.k_cache[row, :, :written] = math.nan
+        cache.v_cache[row, :, :written] = math.nan
 
 
 @pytest.mark.parametrize("where", ["decode", "between prefill chunks"])
@@ -143,7 +145,7 @@ def test_nonfinite_logits_stop_that_request_alone_and_leave_its_slot_clean(where
 
 def test_greedy_marks_a_row_with_nan_or_inf_and_keeps_the_others_argmax():
     logits = torch.tensor([[0.0, 2.0, 1.0], [math.inf, 0.0, 0.0], [0.0, math.nan, 0.0], [-math.inf, 1.0, 0.0]])
-    assert serve.greedy(logits).tolist() == [1, -1, -1, -1]
+    assert greedy(logits).tolist() == [1, -1, -1, -1]
 
 
 def test_the_finiteness_check_costs_no_host_read_beyond_the_tokens(monkeypatch):
