@@ -238,7 +238,7 @@ def test_prefill_norm_route_executes_on_a_tie_and_skips_on_a_larger_skip_logit()
         up = r.up.weight.view(G, 2, -1)
         up[1:3] = 0
         up[:, 1] = up[:, 0]
-        r.up.bias.view(G, 2)[:, 1] = r.up.bias.view(G, 2)[:, 0] + torch.tensor([0.0, 1e-3, -1e-3, 0.0])
+        r.up.bias.view(G, 2)[:, 1] = r.up.bias.view(G, 2)[:, 0] + torch.tensor([0.0, 1e-3, -1e-3, 0.0], device=DEV)
         _, keep, keepf, _ = kernels_step.norm_route(x, norm, r, res, config=config)
     assert keep.tolist() == [[[True, False, True, True]] * T] * B and torch.equal(keepf, keep.float())
 
