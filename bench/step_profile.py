@@ -34,11 +34,14 @@ def is_gemm(name):
 
 
 def op_sequence(plan):
-    """[(op label, Op)] in launch order: the step's embedding, each layer's ops, the final norm, the head."""
-    seq = [("embedding", plan.step["step_embed"])]
+    """[(op label, Op)] in launch order: what Engine.inputs builds before the layers (a dense layer's every-head
+    layout in a later chunk), the step's embedding, each layer's ops, the final norm, the head."""
+    before = ("step_every_head", "step_embed")
+    seq = [(name, plan.step[name]) for name in before if name in plan.step]
+    seq = [("embedding" if name == "step_embed" else name, op) for name, op in seq]
     for i, layer in enumerate(plan.layers):
         seq += [(name, op) for name, op in layer.items()]
-    seq += [(name, op) for name, op in plan.step.items() if name != "step_embed"]
+    seq += [(name, op) for name, op in plan.step.items() if name not in before]
     return seq
 
 
@@ -47,7 +50,8 @@ def assign_ops(kernels, plan):
     Walks the plan's ops in order: a Triton kernel goes to the next op still due to launch it; a library
     GEMM to the next op off Triton (cuBLAS, SDPA, torch) that has had none yet, but never past another op with
     Triton launches still due (so a GEMM that comes as two kernels stays with its op); anything else to
-    the op of the kernel before it."""
+    the op of the kernel before it, or to the next op if that one runs on torch alone and this one has made
+    all its Triton launches."""
     seq = op_sequence(plan)
     due = [list(op.kernels) for _, op in seq]  # the Triton launches each op has still to make
     gemmed = set()
@@ -64,6 +68,9 @@ def assign_ops(kernels, plan):
                     break
                 if i > at and due[i]:
                     break
+            gemmed.add(at)
+        elif not due[at] and at + 1 < len(seq) and seq[at + 1][1].runs == "torch" and at + 1 not in gemmed:
+            at += 1  # the next op is torch's alone (the embedding after a later chunk's every-head layout)
             gemmed.add(at)
         out.append((seq[at][0], name, t1 - t0, 0.0 if prev_end is None else max(0.0, t0 - prev_end)))
         prev_end = t1

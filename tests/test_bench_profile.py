@@ -50,6 +50,20 @@ def test_cublas_gemms_take_the_next_cublas_op_and_small_kernels_stay_with_theirs
     assert [g[0] for g in got] == want
 
 
+def test_a_dense_later_chunk_s_every_head_layout_comes_before_the_embedding():
+    # A dense layer's prefill chunk after the first: Engine.inputs builds the every-head layout before the
+    # embedding, so its kernels open the step; the layers' kernels still go to the layers, not past them.
+    plan = policy.Policy().plan(policy.Shape(100, False, start=8192), [(None, None)] * 2)
+    layer = ["_rms_norm_kernel", "nvjet_qkv", "_rope_kernel", "_attn_prefill_kernel", "nvjet_o",
+             "_rms_norm_kernel", "nvjet_gate_up", "_swiglu_rows_kernel", "nvjet_down"]
+    got = bp.assign_ops(step(["_layout_kernel", "_worklist_kernel", "indexSelect"] + layer * 2
+                             + ["_rms_norm_kernel", "nvjet_head"]), plan)
+    want = (["step_every_head"] * 2 + ["embedding"]
+            + ["attn_norm", "qkv", "rope", "attention", "o", "ffn_norm", "gate_up", "gate_up", "down"] * 2
+            + ["step_norm", "step_head"])
+    assert [g[0] for g in got] == want
+
+
 def test_the_summary_adds_up_per_op_and_against_the_step_time():
     plan = policy.Policy().plan(policy.Shape(1, True), WIDE)
     got = bp.assign_ops(step(layer_b1() * 2), plan)
