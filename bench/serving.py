@@ -110,11 +110,16 @@ def summarize(reqs, server, wall_s):
     first = sorted(ok, key=lambda r: r.arrival)[:16]  # the first 16 to arrive: do they pay a one-time cost?
     first_ttft = [r.t_first - r.arrival for r in first]
     rest_ttft = [r.t_first - r.arrival for r in ok if r not in first]
+    # ... per prompt token too: the first 16 prompts are another mix of lengths than the rest's, and a request's
+    # TTFT grows with its prompt, so only this ratio tells a one-time cost from a longer prompt
+    per_1k = lambda rs: [(r.t_first - r.arrival) / len(r.prompt) * 1e3 for r in rs]
     tpot = [(r.t_done - r.t_first) / (len(r.tokens) - 1) for r in ok if len(r.tokens) > 1]
     n_out = sum(len(r.tokens) for r in ok)
     return dict(requests=len(reqs), rejected=len(reqs) - len(ok), output_tokens=n_out, wall_s=round(wall_s, 3),
                 output_tok_s=n_out / wall_s, ttft_p50_ms=pct(ttft, 50) * 1e3, ttft_p99_ms=pct(ttft, 99) * 1e3,
                 ttft_first16_p50_ms=pct(first_ttft, 50) * 1e3, ttft_rest_p50_ms=pct(rest_ttft, 50) * 1e3,
+                ttft_first16_p50_ms_per_1k=pct(per_1k(first), 50) * 1e3,
+                ttft_rest_p50_ms_per_1k=pct(per_1k([r for r in ok if r not in first]), 50) * 1e3,
                 tpot_p50_ms=pct(tpot, 50) * 1e3, tpot_p99_ms=pct(tpot, 99) * 1e3,
                 concurrency_max=max(server.busy, default=0),
                 concurrency_mean=sum(server.busy) / max(1, len(server.busy)), decode_steps=server.steps,
@@ -210,6 +215,8 @@ def serving_markdown(rec):
                   if "decode_ms_per_step" in r else "- | - | -")
         first = (f"{r['ttft_first16_p50_ms']:.0f} / {r['ttft_rest_p50_ms']:.0f}" if "ttft_first16_p50_ms" in r
                  and math.isfinite(r["ttft_rest_p50_ms"]) else "-")
+        if first != "-" and math.isfinite(r.get("ttft_rest_p50_ms_per_1k", math.nan)):
+            first += f" ({r['ttft_first16_p50_ms_per_1k'] / r['ttft_rest_p50_ms_per_1k']:.2f}x per prompt token)"
         out.append(f"| {rate_label(r['rate'])} | {r.get('run', 1)} | {r['profile']} | {r['output_tok_s']:.1f} | "
                    f"{ratio} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {first} | "
                    f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "

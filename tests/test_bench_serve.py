@@ -258,3 +258,17 @@ def test_first_requests_ttft_is_reported_apart_from_the_rest():
     server = types.SimpleNamespace(busy=[1], steps=1, marks=[], device=torch.device("cpu"))
     got = serving.summarize(reqs, server, 10.0)
     assert got["ttft_first16_p50_ms"] == pytest.approx(500.0) and got["ttft_rest_p50_ms"] == pytest.approx(100.0)
+
+
+def test_first_requests_ttft_per_prompt_token_tells_a_longer_prompt_from_a_one_time_cost():
+    # the first 16 prompts are 5x longer and take 5x longer to their first token: no one-time cost at all
+    reqs = [serve.Request([1] * (500 if i < 16 else 100), 2, arrival=i) for i in range(20)]
+    for i, r in enumerate(reqs):
+        r.tokens, r.t_first, r.t_done = [1, 2], r.arrival + (0.5 if i < 16 else 0.1), r.arrival + 1.0
+    server = types.SimpleNamespace(busy=[1], steps=1, marks=[], device=torch.device("cpu"))
+    got = serving.summarize(reqs, server, 10.0)
+    assert got["ttft_first16_p50_ms"] == pytest.approx(5 * got["ttft_rest_p50_ms"])
+    assert got["ttft_first16_p50_ms_per_1k"] == pytest.approx(got["ttft_rest_p50_ms_per_1k"]) == pytest.approx(1000.0)
+    rec = record([4.0])
+    rec["rows"][0].update({k: got[k] for k in got if k.startswith("ttft_")})
+    assert "| 500 / 100 (1.00x per prompt token) |" in serving.serving_markdown(rec)
