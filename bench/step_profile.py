@@ -23,8 +23,9 @@ import engine
 from bench.common import COPY_GBS, calibrate_routers, clock_ms, fill_cache, mask_summary, save, set_profile, with_engine
 from policy import Policy
 
-# Library kernels that start an op the plan sends to cuBLAS (the rest: casts, element-wise, reductions)
-GEMM_NAMES = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas")
+# Library kernels that start an op the plan sends to cuBLAS or SDPA (the rest: casts, element-wise, reductions);
+# SDPA's fused attention is FlashAttention's, cuDNN's (named ..._flash_...) or the memory-efficient one (fmha_...)
+GEMM_NAMES = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "flash", "fmha")
 
 
 def is_gemm(name):

@@ -64,6 +64,16 @@ def test_a_dense_later_chunk_s_every_head_layout_comes_before_the_embedding():
     assert [g[0] for g in got] == want
 
 
+def test_sdpa_s_flash_kernel_is_the_attention_op_s_and_the_o_gemm_after_it_is_o_s():
+    # a dense first chunk: RoPE in Triton, then SDPA (FlashAttention's kernel), then O on cuBLAS
+    plan = policy.Policy().plan(policy.Shape(100, False), [(None, None)])
+    layer = ["_rms_norm_kernel", "nvjet_qkv", "_rope_kernel", "void pytorch_flash::flash_fwd_kernel<Flash_fwd>",
+             "nvjet_o", "_rms_norm_kernel", "nvjet_gate_up", "_swiglu_rows_kernel", "nvjet_down"]
+    got = bp.assign_ops(step(["indexSelect"] + layer + ["_rms_norm_kernel", "nvjet_head"]), plan)
+    assert [g[0] for g in got] == ["embedding", "attn_norm", "qkv", "rope", "attention", "o", "ffn_norm", "gate_up",
+                                   "gate_up", "down", "step_norm", "step_head"]
+
+
 def test_the_summary_adds_up_per_op_and_against_the_step_time():
     plan = policy.Policy().plan(policy.Shape(1, True), WIDE)
     got = bp.assign_ops(step(layer_b1() * 2), plan)
