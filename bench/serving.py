@@ -108,8 +108,8 @@ def summarize(reqs, server, wall_s):
     ok = [r for r in reqs if r.error is None]
     ttft = [r.t_first - r.arrival for r in ok]
     first = sorted(ok, key=lambda r: r.arrival)[:16]  # the first 16 to arrive: do they pay a one-time cost?
-    first_ttft = [r.t_first - r.arrival for r in first]
-    rest_ttft = [r.t_first - r.arrival for r in ok if r not in first]
+    rest = [r for r in ok if r not in first]
+    first_ttft, rest_ttft = [r.t_first - r.arrival for r in first], [r.t_first - r.arrival for r in rest]
     # ... per prompt token too: the first 16 prompts are another mix of lengths than the rest's, and a request's
     # TTFT grows with its prompt, so only this ratio tells a one-time cost from a longer prompt
     per_1k = lambda rs: [(r.t_first - r.arrival) / len(r.prompt) * 1e3 for r in rs]
@@ -119,7 +119,7 @@ def summarize(reqs, server, wall_s):
                 output_tok_s=n_out / wall_s, ttft_p50_ms=pct(ttft, 50) * 1e3, ttft_p99_ms=pct(ttft, 99) * 1e3,
                 ttft_first16_p50_ms=pct(first_ttft, 50) * 1e3, ttft_rest_p50_ms=pct(rest_ttft, 50) * 1e3,
                 ttft_first16_p50_ms_per_1k=pct(per_1k(first), 50) * 1e3,
-                ttft_rest_p50_ms_per_1k=pct(per_1k([r for r in ok if r not in first]), 50) * 1e3,
+                ttft_rest_p50_ms_per_1k=pct(per_1k(rest), 50) * 1e3,
                 tpot_p50_ms=pct(tpot, 50) * 1e3, tpot_p99_ms=pct(tpot, 99) * 1e3,
                 concurrency_max=max(server.busy, default=0),
                 concurrency_mean=sum(server.busy) / max(1, len(server.busy)), decode_steps=server.steps,

@@ -38,8 +38,7 @@ def op_sequence(plan):
     """[(op label, Op)] in launch order: what Engine.inputs builds before the layers (a dense layer's every-head
     layout in a later chunk), the step's embedding, each layer's ops, the final norm, the head."""
     before = ("step_every_head", "step_embed")
-    seq = [(name, plan.step[name]) for name in before if name in plan.step]
-    seq = [("embedding" if name == "step_embed" else name, op) for name, op in seq]
+    seq = [("embedding" if name == "step_embed" else name, plan.step[name]) for name in before if name in plan.step]
     for i, layer in enumerate(plan.layers):
         seq += [(name, op) for name, op in layer.items()]
     seq += [(name, op) for name, op in plan.step.items() if name not in before]
