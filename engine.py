@@ -27,7 +27,8 @@ import kernels_gemv
 from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
-from kernels_step import norm_route, quantize_rows, quantize_rows_ref, rms_norm, rope_and_store, swiglu_rows
+from kernels_route import norm_route
+from kernels_step import quantize_rows, quantize_rows_ref, rms_norm, rope_and_store, swiglu_rows
 from policy import GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE, Plan, Policy, Shape
 from wide import shared_by_vote
 
@@ -279,7 +280,8 @@ class Engine:
             pol = self.policy  # decode-sized steps keep NORM_ROUTE_TILE: one tile gives the live list
             tile = pol.router_split_tile if x.shape[0] * x.shape[1] > NORM_ROUTE_SPLIT_MAX_TOKENS else NORM_ROUTE_TILE
             normed, keep, keepf, live = norm_route(x, norm, router, residual, self.tickets,
-                                                   split_max_tokens=pol.router_split_max_tokens, tile_tokens=tile)
+                                                   split_max_tokens=pol.router_split_max_tokens, tile_tokens=tile,
+                                                   one_launch_max_tokens=pol.router_one_launch_max_tokens)
         else:  # "norm_then_router"
             normed = rms_norm(x, norm, residual)
             keepf = router(x if residual is None else normed[0])  # at inference exactly 0 or 1
@@ -469,7 +471,7 @@ def warm_chunks(chunk, positions, policy):
     for start in (0, chunk):
         room = min(chunk, positions - start)  # the longest chunk at this start
         thresholds = (policy.sparse_prefill_min_tokens, policy.router_max_tokens, policy.fp8_scaled_mm_min_tokens,
-                      policy.router_split_max_tokens)
+                      policy.router_split_max_tokens, policy.router_one_launch_max_tokens)
         lengths = set(range(1, small + 1)) | {t + d for t in thresholds for d in (-1, 0, 1)}
         p = 1
         while p < 2 * room:  # each power-of-two bucket up to room's: its longest length and the one below

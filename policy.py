@@ -6,7 +6,7 @@ per op. engine.py runs straight through the plan; `Plan.text()` is what `generat
 prints; the tests record a step's launches and compare them with `Plan.launches()`.
 
 Every token count that decides where an op runs is named here: the Policy's fields, and the two below at
-which a kernel itself changes its code path (kernels.py and kernels_step.py read them from here).
+which a kernel itself changes its code path (kernels.py and kernels_route.py read them from here).
 """
 from collections import Counter
 from dataclasses import dataclass
@@ -47,7 +47,7 @@ class Op(NamedTuple):
 # kind -> what the op does then (the text generate.py prints)
 KINDS = {
     "norm": "RMSNorm (rms_norm)",
-    "norm_route": "RMSNorm + the router in one launch (norm_route; two in a prefill chunk), residual add fused",
+    "norm_route": "RMSNorm + the router in one launch (norm_route; a long prefill chunk: two), residual add fused",
     "norm_then_router": "RMSNorm (rms_norm), then the router module itself (two fp32 GEMMs)",
     "norm_fp8": "RMSNorm (rms_norm), its output as per-token fp8 rows for _scaled_mm, in the same launch",
     "layout": "mask reordering: per group, its live tokens first (layout + work list)",
@@ -122,6 +122,10 @@ class Policy:
     # ... and its tile in such steps past NORM_ROUTE_SPLIT_MAX_TOKENS tokens (a power of two): more tokens per tile,
     # fewer reads of each token's row (once per rank and tile), longer serial work for each tile's last program.
     router_split_tile: int = NORM_ROUTE_TILE
+    # Longer steps of at most this many tokens take norm_route's one-launch D-split kernel (every program reads
+    # its tiles' whole rows for their sums of squares); longer ones its D-split pair (the rows read once each
+    # launch). 0: the pair always.
+    router_one_launch_max_tokens: int = 0
     dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
     # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa" (with
     # the model's causal-mask rows, which rules out flash); the Triton kernel was the faster on the H200.
@@ -192,9 +196,11 @@ class Policy:
         if router is None:
             return Op("norm", "Triton", kernels=("rms_norm_kernel",))
         if router == "wide" and shape.tokens <= self.router_max_tokens:
-            split = shape.tokens <= self.router_split_max_tokens  # short: the ranks split over programs
-            return Op("norm_route", "Triton", kernels=("norm_route_kernel",) if split else
-                      ("norm_route_part_kernel", "norm_route_finish_kernel"))
+            if shape.tokens <= self.router_split_max_tokens:  # short: the ranks split over programs
+                return Op("norm_route", "Triton", kernels=("norm_route_kernel",))
+            if shape.tokens <= self.router_one_launch_max_tokens:
+                return Op("norm_route", "Triton", kernels=("norm_route_slice_kernel",))
+            return Op("norm_route", "Triton", kernels=("norm_route_part_kernel", "norm_route_finish_kernel"))
         return Op("norm_then_router", "Triton + torch", kernels=("rms_norm_kernel",))
 
     def qkv_op(self, shape, router, w):
