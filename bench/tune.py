@@ -84,6 +84,7 @@ def tune_table(s):
         # a prefill chunk's norm + router: the D-split pair's tiles, slices and warps (first half; FINISH_BK and
         # finish_warps the second's) and dot precision, and the split kernel in tiles of 4 or 16 instead
         **{f"norm_route_parts {T}": (lambda T=T: case_norm_route(s, T, s.FFN // s.ffn_gs), [
+            v(2, 3, BT=16, BK=32, DS=128, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
             v(2, 3, BT=16, BK=32, DS=256, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
             v(2, 3, BT=16, BK=32, DS=512, FINISH_BK=256, finish_warps=4, PREC="tf32x3"),
             v(4, 3, BT=16, BK=64, DS=256, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
@@ -92,7 +93,14 @@ def tune_table(s):
             v(4, 3, BT=64, BK=64, DS=1024, FINISH_BK=256, finish_warps=8, PREC="tf32x3"),
             v(2, 3, BT=16, BK=32, DS=512, FINISH_BK=128, finish_warps=4, PREC="ieee"),
             dict(SPLIT_TILE=4), dict(SPLIT_TILE=16)])
-            for T in ((20,) if s.smoke else (100, 512, 2048))},
+            for T in ((20,) if s.smoke else (100, 256, 512, 1024, 2048))},
+        # ... in one launch: tiles (under 16 tokens the router's dots on CUDA cores), row and slice widths, warps
+        **{f"norm_route_slices {T}": (lambda T=T: case_norm_route(s, T, s.FFN // s.ffn_gs, one_launch=True), [
+            v(8, 1, BT=4, RK=4096, BK=128, DS=256, PREC="tf32x3"), v(8, 1, BT=4, RK=2048, BK=64, DS=1024, PREC="tf32x3"),
+            v(4, 1, BT=4, RK=4096, BK=64, DS=128, PREC="tf32x3"), v(4, 1, BT=2, RK=4096, BK=64, DS=256, PREC="tf32x3"),
+            v(8, 1, BT=8, RK=2048, BK=64, DS=512, PREC="tf32x3"), v(4, 2, BT=16, RK=1024, BK=32, DS=512, PREC="tf32x3"),
+            v(8, 2, BT=16, RK=1024, BK=64, DS=1024, PREC="tf32x3"), v(8, 2, BT=32, RK=512, BK=64, DS=2048, PREC="tf32x3")])
+            for T in ((20,) if s.smoke else (100, 256, 512, 1024, 2048))},
         "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16),
                                                            v(8, 3, BN=128, programs_per_sm=2), v(4, 3, BN=128, programs_per_sm=4)]),
     }
@@ -106,16 +114,24 @@ def run_tune(s, args, argv):
             continue
         case = factory()
         half, full = rand_mask(s, case.mask_shape, 0.5), rand_mask(s, case.mask_shape, 0.0)
-        time_it = ((lambda mask, cfg: graph_ms(s.smoke, [functools.partial(case.sparse, mask, i, cfg)
-                                                         for i in range(case.copies)]))
-                   if case.decode else
+        # Decode-sized ops, and a prefill chunk's norm + router (microseconds, launched from the chunk's CUDA
+        # graph as served), on graph replay: 16 calls in one graph for an op on one copy of its data
+        graphed = case.decode or key.startswith("norm_route")
+        repeat = 1 if case.copies > 1 else 16
+        time_it = ((lambda mask, cfg: graph_ms(s.smoke, [functools.partial(case.sparse, mask, i % case.copies, cfg)
+                                                         for i in range(case.copies * repeat)]))
+                   if graphed else
                    (lambda mask, cfg: bench_ms(s.smoke, functools.partial(case.sparse, mask, 0, cfg))))
         dense_fns = case.dense[case.baseline[0]]
-        dense_ms = graph_ms(s.smoke, dense_fns) if case.decode else bench_ms(s.smoke, dense_fns[0])
+        dense_ms = graph_ms(s.smoke, dense_fns * repeat) if graphed else bench_ms(s.smoke, dense_fns[0])
         print(f"{key} ({case.op}, {case.tokens} tokens): dense {dense_ms * 1e3:.1f} us, "
               f"current {kernels_base.CONFIGS[key.split()[0]]}", flush=True)
-        results[key] = dict(op=case.op, tokens=case.tokens, timing="cuda_graph" if case.decode else "do_bench",
-                            dense_ms=dense_ms, current=kernels_base.CONFIGS[key.split()[0]], variants=[])
+        # the case's other baselines too (a norm + router against the dense model's plain norm)
+        others = {name: graph_ms(s.smoke, fns * repeat) if graphed else bench_ms(s.smoke, fns[0])
+                  for name, fns in case.dense.items() if name != case.baseline[0]}
+        results[key] = dict(op=case.op, tokens=case.tokens, timing="cuda_graph" if graphed else "do_bench",
+                            dense_ms=dense_ms, baseline=case.baseline[0], others_ms=others,
+                            current=kernels_base.CONFIGS[key.split()[0]], variants=[])
         current = kernels_base.CONFIGS[key.split()[0]]
         todo = [dict(current)] + [v for v in variants if v != current]
         for v in todo[:1] + todo[-1:] if s.smoke else todo:  # --smoke: the code path (first, last), not the width
@@ -135,6 +151,8 @@ def run_tune(s, args, argv):
              f"`{m['command']}`. 50% of groups skipped; decode-sized ops timed on CUDA-graph replay.", "",
              "| CONFIGS key | op | tokens | config | us | speedup | all groups on, us |", "|---|---|---|---|---|---|---|"]
     for key, r in results.items():
+        base = ", ".join(f"{name} {ms * 1e3:.1f} us" for name, ms in {r["baseline"]: r["dense_ms"], **r["others_ms"]}.items())
+        lines.append(f"| {key} | {r['op']} | {r['tokens']} | baselines: {base} | | | |")
         for v in r["variants"]:
             cells = ("failed", "", "") if "failed" in v else (f"{v['ms'] * 1e3:.1f}", f"{v['speedup']:.2f}x",
                                                                f"{v['all_active_ms'] * 1e3:.1f}")

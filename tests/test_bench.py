@@ -161,13 +161,17 @@ def test_tune_takes_several_names_and_checks_the_prefetch_variant(tmp_path):
     assert last["config"].get("PREFETCH") and "failed" not in last and last["rel_err"] <= 1e-2
 
 
-def test_tune_times_the_prefill_router_d_split_pair_against_the_split_kernel(tmp_path):
+def test_tune_times_the_prefill_router_d_split_pair_one_launch_and_the_split_kernel(tmp_path):
     data, _ = smoke(tmp_path, "bench.tune", "--only", "norm_route")
-    (r,) = data["results"].values()
-    assert r["current"] == data["results"]["norm_route_parts 20"]["current"]
-    first, last = r["variants"]  # --smoke: the current D-split pair, and the split kernel in tiles of 16
+    pair, one = data["results"]["norm_route_parts 20"], data["results"]["norm_route_slices 20"]
+    assert set(data["results"]) == {"norm_route_parts 20", "norm_route_slices 20"}
+    assert pair["timing"] == one["timing"] == "cuda_graph", "microsecond kernels: timed as graph replays"
+    assert set(pair["others_ms"]) == {"rms_norm"}, "the dense model's plain norm timed beside the router module"
+    first, last = pair["variants"]  # --smoke: the current D-split pair, and the split kernel in tiles of 16
     assert last["config"] == {"SPLIT_TILE": 16}
-    assert all("failed" not in v and v["rel_err"] <= 1e-2 for v in (first, last))  # the decisions are the twin's
+    assert one["variants"][0]["config"] == one["current"] and one["variants"][1]["config"]["BT"] == 32  # the widest
+    for v in pair["variants"] + one["variants"]:  # the decisions are the twin's
+        assert "failed" not in v and v["rel_err"] <= 1e-2
 
 
 def test_tune_sweeps_the_fp8_keys_on_fp8_weights_with_an_fma_variant(tmp_path):
