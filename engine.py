@@ -280,8 +280,7 @@ class Engine:
             pol = self.policy  # decode-sized steps keep NORM_ROUTE_TILE: one tile gives the live list
             tile = pol.router_split_tile if x.shape[0] * x.shape[1] > NORM_ROUTE_SPLIT_MAX_TOKENS else NORM_ROUTE_TILE
             normed, keep, keepf, live = norm_route(x, norm, router, residual, self.tickets,
-                                                   split_max_tokens=pol.router_split_max_tokens, tile_tokens=tile,
-                                                   one_launch_max_tokens=pol.router_one_launch_max_tokens)
+                                                   split_max_tokens=pol.router_split_max_tokens, tile_tokens=tile)
         else:  # "norm_then_router"
             normed = rms_norm(x, norm, residual)
             keepf = router(x if residual is None else normed[0])  # at inference exactly 0 or 1
@@ -471,7 +470,7 @@ def warm_chunks(chunk, positions, policy):
     for start in (0, chunk):
         room = min(chunk, positions - start)  # the longest chunk at this start
         thresholds = (policy.sparse_prefill_min_tokens, policy.router_max_tokens, policy.fp8_scaled_mm_min_tokens,
-                      policy.router_split_max_tokens, policy.router_one_launch_max_tokens)
+                      policy.router_split_max_tokens)
         lengths = set(range(1, small + 1)) | {t + d for t in thresholds for d in (-1, 0, 1)}
         p = 1
         while p < 2 * room:  # each power-of-two bucket up to room's: its longest length and the one below

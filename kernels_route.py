@@ -5,8 +5,8 @@ list of the groups some token runs, which the decode kernels read instead of sca
 
   decode steps (up to NORM_ROUTE_SPLIT_MAX_TOKENS tokens)   _norm_route_kernel: the router's ranks split over
                                                             programs, so a few tokens still spread over the GPU
-  prefill chunks                                            _norm_route_slice_kernel (one launch) or the D-split
-                                                            pair _norm_route_part_kernel + _norm_route_finish_kernel
+  prefill chunks                                            the D-split pair: _norm_route_part_kernel, then
+                                                            _norm_route_finish_kernel
 
 They skip nothing. Same contract as kernels.py: Triton on a GPU or under TRITON_INTERPRET=1, or a clear error.
 """
@@ -40,23 +40,19 @@ def norm_route_ref(x, norm, router, residual=None):
 
 
 def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=None, config=None,
-               split_max_tokens=NORM_ROUTE_SPLIT_MAX_TOKENS, tile_tokens=NORM_ROUTE_TILE, one_launch_max_tokens=0):
+               split_max_tokens=NORM_ROUTE_SPLIT_MAX_TOKENS, tile_tokens=NORM_ROUTE_TILE):
     """The start of a sublayer for the tokens of a step: h = residual + x (if given), RMSNorm(h), and the
     wide.Router decision on the raw h. Returns (normed, keep bool, keep float, live) with
     normed = norm(x), or (h, norm(h)) with a residual; masks [B, T, G]. live: the step's live list, int32
     [1 + G] (the number of groups some token runs, those groups ascending, then the others), which the
     decode kernels read instead of scanning the mask; None for a step of more than one token tile.
     Up to split_max_tokens tokens (decode steps), one launch whose programs split the router's ranks, so a
-    few tokens still spread over the GPU. Longer steps (prefill chunks) split D over programs, in one launch
-    up to one_launch_max_tokens tokens (config norm_route_slices: each (tile of tokens, D-slice) program
-    forms its tokens' whole rows for their sums of squares, writes its slice of h and RMSNorm(h) and its share
-    of the router's first Linear; the tile's last program adds the shares up and applies the rule), in two
-    past it (config norm_route_parts: each (tile, D-slice) gets its slice's sums of squares and share of the
-    first Linear, then each (tile, D-slice) adds the slices up in a fixed order and writes its RMSNorm(h), and
-    one more program per tile applies the rule): the one launch reads each row once per slice, the pair once.
-    tickets: int32 zeros, one per token tile (the kernels leave them zero, so a CUDA graph can replay them;
-    launches on one stream run one after another, so an engine needs one buffer); tile_tokens: the split
-    kernel's tile (a power of two)."""
+    few tokens still spread over the GPU. Longer steps (prefill chunks), two launches with D split over
+    programs: each (tile of tokens, D-slice) gets its slice's sums of squares and share of the router's first
+    Linear (every rank, so the router's weights are read once per tile), then each (tile, D-slice) adds the
+    slices up in a fixed order and writes its RMSNorm(h), and one more program per tile applies the rule.
+    tickets: int32 zeros, one per tile of tile_tokens tokens (a power of two; the kernel leaves them zero, so a
+    CUDA graph can replay it; launches on one stream run one after another, so an engine needs one buffer)."""
     check_device(x)
     B, T, D = x.shape
     M = B * T
@@ -68,22 +64,7 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
     h = empty((M, D), x.dtype, x.device) if residual is not None else y
     keep = empty((M, G), torch.uint8, x.device)
     keepf = empty((M, G), torch.float32, x.device)
-    if split_max_tokens < M <= one_launch_max_tokens:  # a prefill chunk, one launch: D split over programs
-        cfg = config_for("norm_route_slices", config)
-        BT, DS = cfg["BT"], cfg["DS"]
-        assert DS % cfg["BK"] == 0, "norm_route_slices: DS a multiple of BK"
-        n_tiles, S, RP = triton.cdiv(M, BT), triton.cdiv(D, DS), max(16, triton.next_power_of_2(R))
-        tickets = torch.zeros(n_tiles, dtype=torch.int32, device=x.device) if tickets is None else tickets
-        assert tickets.numel() >= n_tiles and tickets.dtype == torch.int32, "one int32 ticket per token tile"
-        part_z = empty((S, M, RP), torch.float32, x.device)  # each D-slice's share of the first Linear
-        _norm_route_slice_kernel[(n_tiles, S)](
-            x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, up.weight, up.bias, part_z, keep, keepf,
-            tickets, M, D, R, G, S, HAS_RES=residual is not None, BT=BT, RK=min(cfg["RK"], triton.next_power_of_2(D)),
-            BK=cfg["BK"], DS=DS, RP=RP, SP=triton.next_power_of_2(S), BG=max(16, triton.next_power_of_2(G)),
-            PREC=cfg.get("PREC", "ieee"), **launch_args(cfg), **pdl_args(x.device))
-        normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
-        return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), None
-    if M > split_max_tokens:  # a prefill chunk, two launches: D split over programs, then the slices added up
+    if M > split_max_tokens:  # a prefill chunk: D split over programs, then the slices' partial sums added up
         cfg = config_for("norm_route_parts", config)
         BT, BK, DS = cfg["BT"], cfg["BK"], cfg["DS"]
         assert DS % BK == 0 and DS % cfg["FINISH_BK"] == 0, "norm_route_parts: DS a multiple of BK and FINISH_BK"
@@ -98,7 +79,8 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
         _norm_route_finish_kernel[(n_tiles, S + 1)](
             h if residual is not None else x2, y, norm.weight, norm.eps, down.bias, up.weight, up.bias, part_ss,
             part_z, keep, keepf, M, D, R, G, S, BT=BT, BK=cfg["FINISH_BK"], DS=DS, RP=RP,
-            BG=max(16, triton.next_power_of_2(G)), PREC=prec, num_warps=cfg["finish_warps"], **pdl_args(x.device))
+            BG=max(16, triton.next_power_of_2(G)), SC=min(8, triton.next_power_of_2(S)), PREC=prec,
+            num_warps=cfg["finish_warps"], **pdl_args(x.device))
         normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
         return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), None
     z = empty((M, R), torch.float32, x.device)  # the first Linear's outputs, handed to each tile's last program
@@ -252,24 +234,26 @@ def _norm_route_part_kernel(x, res, h_out, wd, part_ss, part_z, M, D, R, HAS_RES
 @triton.jit(do_not_specialize=["M"])  # chunk lengths: see engine.warm_chunks
 def _norm_route_finish_kernel(h, y, nw, eps, bd, wu, bu, part_ss, part_z, keep, keepf, M, D, R, G, S,
                               BT: tl.constexpr, BK: tl.constexpr, DS: tl.constexpr, RP: tl.constexpr,
-                              BG: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+                              BG: tl.constexpr, SC: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     """A prefill chunk's norm + router, second half. Grid (cdiv(M, BT), S + 1) for the first half's S slices.
 
-    Program (tile, s < S) adds its tokens' S partial sums of squares up in slice order and writes RMSNorm(h)
-    for D-slice s (h as the first half wrote it, or x without a residual; rounded as the norm kernel does).
-    Program (tile, S) adds the partial first Linear up in slice order, adds its bias, and applies the second
-    Linear and wide.Router's rule (skip iff z_skip > z_exec; a tie executes) to the tile: a program of its
-    own, so the rule's dependent loads and dots run beside the slices' write-out, not after one of them.
-    Deterministic: fixed-order sums, no atomics, every output written by one program. Skips nothing.
-    Twin: norm_route_ref."""
+    Program (tile, s < S) adds its tokens' S partial sums of squares up and writes RMSNorm(h) for D-slice s
+    (h as the first half wrote it, or x without a residual; rounded as the norm kernel does). Program (tile, S)
+    adds the partial first Linear up, adds its bias, and applies the second Linear and wide.Router's rule (skip
+    iff z_skip > z_exec; a tie executes) to the tile: a program of its own, so the rule's dependent loads and
+    dots run beside the slices' write-out, not after one of them. The partial sums come SC slices per load: a
+    load per slice in turn was a chain of dependent latencies as long as the slices are many. Deterministic:
+    fixed-order sums, no atomics, every output written by one program. Skips nothing. Twin: norm_route_ref."""
     tile, s = tl.program_id(0), tl.program_id(1)
     t = tile * BT + tl.arange(0, BT)
     tok = t < M
+    sc = tl.arange(0, SC)
     prior_done(PDL)
     if s < S:
         ss = tl.zeros([BT], tl.float32)
-        for i in range(0, S):
-            ss += tl.load(part_ss + i * M + t, mask=tok, other=0.0)
+        for i in range(0, S, SC):
+            ss += tl.sum(tl.load(part_ss + (i + sc)[:, None] * M + t[None, :],
+                                 mask=(i + sc < S)[:, None] & tok[None, :], other=0.0), 0)
         inv = tl.rsqrt(ss / D + eps)
         kk = tl.arange(0, BK)
         for k0 in range(s * DS, s * DS + DS, BK):
@@ -282,8 +266,9 @@ def _norm_route_finish_kernel(h, y, nw, eps, bd, wu, bu, part_ss, part_z, keep, 
         rr = tl.arange(0, RP)
         g = tl.arange(0, BG)
         z = tl.zeros([BT, RP], tl.float32)
-        for i in range(0, S):
-            z += tl.load(part_z + (i * M + t)[:, None] * RP + rr[None, :], mask=tok[:, None], other=0.0)
+        for i in range(0, S, SC):
+            part = part_z + (((i + sc) * M)[:, None, None] + t[None, :, None]) * RP + rr[None, None, :]
+            z += tl.sum(tl.load(part, mask=(i + sc < S)[:, None, None] & tok[None, :, None], other=0.0), 0)
         z += tl.load(bd + rr, mask=rr < R, other=0.0)[None, :]
         wm = (g < G)[:, None] & (rr < R)[None, :]
         w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
@@ -297,75 +282,3 @@ def _norm_route_finish_kernel(h, y, nw, eps, bd, wu, bu, part_ss, part_z, keep, 
         tl.store(keep + t[:, None] * G + g[None, :], run.to(tl.uint8), mask=km)
         tl.store(keepf + t[:, None] * G + g[None, :], run.to(tl.float32), mask=km)
 
-
-@triton.jit
-def _first_linear_share(hf, w, z, BT: tl.constexpr, PREC: tl.constexpr):
-    # z [BT, RP] += hf [BT, BK] @ w[RP, BK].T in fp32: tensor-core products (PREC) where a tile is tall enough
-    # for tl.dot, else CUDA-core FMAs
-    if BT >= 16:
-        z = tl.dot(hf, tl.trans(w), z, input_precision=PREC)
-    else:
-        z += tl.sum(hf[:, None, :] * w[None, :, :], 2)
-    return z
-
-
-@triton.jit(do_not_specialize=["M"])  # chunk lengths: see engine.warm_chunks
-def _norm_route_slice_kernel(x, res, h_out, y, nw, eps, wd, bd, wu, bu, part_z, keep, keepf, tickets, M, D, R, G, S,
-                             HAS_RES: tl.constexpr, BT: tl.constexpr, RK: tl.constexpr, BK: tl.constexpr,
-                             DS: tl.constexpr, RP: tl.constexpr, SP: tl.constexpr, BG: tl.constexpr,
-                             PREC: tl.constexpr, PDL: tl.constexpr):
-    """A prefill chunk's residual add + RMSNorm + router in one launch. Grid (cdiv(M, BT), S = cdiv(D, DS)).
-
-    Program (tile, s) forms h = res + x over its BT tokens' whole rows, RK columns at a time (rounded to the model
-    dtype as `x + a` is), for their sums of squares: every program of a tile computes the same sums in the same
-    order, so no program waits for another's. Then, on its DS columns, it writes h and RMSNorm(h), and its share
-    of the router's first Linear, part_z[s] = h[:, slice] @ wd[:, slice].T in fp32. The tile's last program to
-    take the tile's ticket (the others' shares are then visible) adds the S shares up (a fixed reduction order),
-    adds the bias, and applies the second Linear and wide.Router's rule (skip iff z_skip > z_exec; a tie executes); it
-    resets the ticket. Deterministic: fixed-order sums, every output written by one program. Against the D-split
-    pair: one launch instead of two, each row read S + 1 times instead of twice (the rows are in L2 by then).
-    Skips nothing. Twin: norm_route_ref."""
-    tile, s = tl.program_id(0), tl.program_id(1)
-    t = tile * BT + tl.arange(0, BT)
-    tok = t < M
-    rr = tl.arange(0, RP)
-    prior_done(PDL)
-    kr = tl.arange(0, RK)
-    ss = tl.zeros([BT], tl.float32)
-    for k0 in range(0, D, RK):
-        ok, offs = tok[:, None] & (k0 + kr < D)[None, :], t[:, None].to(tl.int64) * D + k0 + kr[None, :]
-        hf = _residual_add(x, res, offs, ok, HAS_RES).to(tl.float32)
-        ss += tl.sum(hf * hf, 1)
-    inv = tl.rsqrt(ss / D + eps)
-    kk = tl.arange(0, BK)
-    z = tl.zeros([BT, RP], tl.float32)
-    for k0 in range(s * DS, s * DS + DS, BK):
-        ok, offs = tok[:, None] & (k0 + kk < D)[None, :], t[:, None].to(tl.int64) * D + k0 + kk[None, :]
-        hv = _residual_add(x, res, offs, ok, HAS_RES)
-        if HAS_RES:
-            tl.store(h_out + offs, hv, mask=ok)
-        n = (hv.to(tl.float32) * inv[:, None]).to(hv.dtype)
-        wt = tl.load(nw + k0 + kk, mask=k0 + kk < D, other=0.0)
-        tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
-        w = tl.load(wd + rr[:, None] * D + k0 + kk[None, :], mask=(rr < R)[:, None] & (k0 + kk < D)[None, :],
-                    other=0.0)
-        z = _first_linear_share(hv.to(tl.float32), w, z, BT, PREC)
-    tl.store(part_z + (s * M + t)[:, None] * RP + rr[None, :], z, mask=tok[:, None])
-    tl.debug_barrier()  # every thread's share is stored before the ticket is taken (release)
-    if tl.atomic_add(tickets + tile, 1) == S - 1:  # the tile's last program: every share is in
-        tl.atomic_xchg(tickets + tile, 0)
-        g = tl.arange(0, BG)
-        wm = (g < G)[:, None] & (rr < R)[None, :]
-        w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
-        w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
-        b_exec = tl.load(bu + 2 * g, mask=g < G, other=0.0)
-        b_skip = tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
-        bias = tl.load(bd + rr, mask=rr < R, other=0.0)
-        si = tl.arange(0, SP)
-        for m in range(tile * BT, tl.minimum(tile * BT + BT, M)):
-            shares = tl.load(part_z + (si[:, None] * M + m) * RP + rr[None, :], mask=(si < S)[:, None], other=0.0,
-                             cache_modifier=".cg")  # [SP, RP]: the token's S shares in one load
-            zr = (tl.sum(shares, 0) + bias)[None, :]
-            run = tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec  # a tie executes
-            tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
-            tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)

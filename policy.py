@@ -122,10 +122,6 @@ class Policy:
     # ... and its tile in such steps past NORM_ROUTE_SPLIT_MAX_TOKENS tokens (a power of two): more tokens per tile,
     # fewer reads of each token's row (once per rank and tile), longer serial work for each tile's last program.
     router_split_tile: int = NORM_ROUTE_TILE
-    # Longer steps of at most this many tokens take norm_route's one-launch D-split kernel (every program reads
-    # its tiles' whole rows for their sums of squares); longer ones its D-split pair (the rows read once each
-    # launch). 0: the pair always.
-    router_one_launch_max_tokens: int = 0
     dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
     # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa" (with
     # the model's causal-mask rows, which rules out flash); the Triton kernel was the faster on the H200.
@@ -198,8 +194,6 @@ class Policy:
         if router == "wide" and shape.tokens <= self.router_max_tokens:
             if shape.tokens <= self.router_split_max_tokens:  # short: the ranks split over programs
                 return Op("norm_route", "Triton", kernels=("norm_route_kernel",))
-            if shape.tokens <= self.router_one_launch_max_tokens:
-                return Op("norm_route", "Triton", kernels=("norm_route_slice_kernel",))
             return Op("norm_route", "Triton", kernels=("norm_route_part_kernel", "norm_route_finish_kernel"))
         return Op("norm_then_router", "Triton + torch", kernels=("rms_norm_kernel",))
 

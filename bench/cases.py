@@ -275,11 +275,11 @@ def case_decode_attention(s):
                 keep=lambda mask: mask.repeat_interleave(hpg, 1)[:, :, None, None].expand(B, H, 1, HD))
 
 
-def case_norm_route(s, T, G, one_launch=False):
+def case_norm_route(s, T, G):
     """A prefill chunk's residual add + RMSNorm + router (kernels_route.norm_route) for a G-group router: h,
     RMSNorm(h) and the decisions, checked against the twin (one flipped decision fails the check). A config goes
-    to the D-split pair (norm_route_parts), or with one_launch to the one-launch kernel (norm_route_slices);
-    SPLIT_TILE (a number of tokens) sends the chunk to the split kernel in tiles of that many instead. Dense: the engine's other path (the norm kernel, then the router module op by
+    to the D-split pair (norm_route_parts); SPLIT_TILE (a number of tokens) sends the chunk to the split kernel
+    in tiles of that many instead. Dense: the engine's other path (the norm kernel, then the router module op by
     op) and the dense model's plain norm. The mask is not an input: the op makes it."""
     torch.manual_seed(0)
     D = s.D
@@ -292,8 +292,7 @@ def case_norm_route(s, T, G, one_launch=False):
         cfg = dict(config or {})
         tile = cfg.pop("SPLIT_TILE", None)
         (h, y), _, keepf, _ = (norm_route(x, norm, router, res, tickets, split_max_tokens=T, tile_tokens=tile)
-                               if tile else norm_route(x, norm, router, res, tickets, config=cfg, split_max_tokens=0,
-                                                       one_launch_max_tokens=T if one_launch else 0))
+                               if tile else norm_route(x, norm, router, res, tickets, config=cfg, split_max_tokens=0))
         return h, y, keepf
 
     def reference(mask):

@@ -82,24 +82,20 @@ def tune_table(s):
             v(4, 6, BM=16, BN=16, BK=128, SPLIT=8, F16=2), pre("gemm_k_small_fp8"), *fma]),
         "attn_prefill": (lambda: case_prefill_attention(s), [v(8, 2, BM=128, BN=128)]),
         # a prefill chunk's norm + router: the D-split pair's tiles, slices and warps (first half; FINISH_BK and
-        # finish_warps the second's) and dot precision, and the split kernel in tiles of 4 or 16 instead
+        # finish_warps the second's) and dot precision, and the split kernel in tiles of 16 instead
         **{f"norm_route_parts {T}": (lambda T=T: case_norm_route(s, T, s.FFN // s.ffn_gs), [
             v(2, 3, BT=16, BK=32, DS=128, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
             v(2, 3, BT=16, BK=32, DS=256, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
             v(2, 3, BT=16, BK=32, DS=512, FINISH_BK=256, finish_warps=4, PREC="tf32x3"),
-            v(4, 3, BT=16, BK=64, DS=256, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
+            # one load per program (BK = DS): no serial loop over the slice
+            v(4, 1, BT=16, BK=128, DS=128, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
+            v(4, 1, BT=16, BK=256, DS=256, FINISH_BK=256, finish_warps=4, PREC="tf32x3"),
+            v(2, 1, BT=16, BK=64, DS=64, FINISH_BK=64, finish_warps=2, PREC="tf32x3"),
+            v(8, 1, BT=16, BK=512, DS=512, FINISH_BK=512, finish_warps=8, PREC="tf32x3"),
+            v(4, 1, BT=32, BK=128, DS=128, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
             v(2, 3, BT=32, BK=32, DS=256, FINISH_BK=256, finish_warps=4, PREC="tf32x3"),
             v(4, 3, BT=64, BK=32, DS=512, FINISH_BK=256, finish_warps=8, PREC="tf32x3"),
-            v(4, 3, BT=64, BK=64, DS=1024, FINISH_BK=256, finish_warps=8, PREC="tf32x3"),
-            v(2, 3, BT=16, BK=32, DS=512, FINISH_BK=128, finish_warps=4, PREC="ieee"),
-            dict(SPLIT_TILE=4), dict(SPLIT_TILE=16)])
-            for T in ((20,) if s.smoke else (100, 256, 512, 1024, 2048))},
-        # ... in one launch: tiles (under 16 tokens the router's dots on CUDA cores), row and slice widths, warps
-        **{f"norm_route_slices {T}": (lambda T=T: case_norm_route(s, T, s.FFN // s.ffn_gs, one_launch=True), [
-            v(8, 1, BT=4, RK=4096, BK=128, DS=256, PREC="tf32x3"), v(8, 1, BT=4, RK=2048, BK=64, DS=1024, PREC="tf32x3"),
-            v(4, 1, BT=4, RK=4096, BK=64, DS=128, PREC="tf32x3"), v(4, 1, BT=2, RK=4096, BK=64, DS=256, PREC="tf32x3"),
-            v(8, 1, BT=8, RK=2048, BK=64, DS=512, PREC="tf32x3"), v(4, 2, BT=16, RK=1024, BK=32, DS=512, PREC="tf32x3"),
-            v(8, 2, BT=16, RK=1024, BK=64, DS=1024, PREC="tf32x3"), v(8, 2, BT=32, RK=512, BK=64, DS=2048, PREC="tf32x3")])
+            dict(SPLIT_TILE=16)])
             for T in ((20,) if s.smoke else (100, 256, 512, 1024, 2048))},
         "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16),
                                                            v(8, 3, BN=128, programs_per_sm=2), v(4, 3, BN=128, programs_per_sm=4)]),

@@ -82,12 +82,10 @@ def assert_same_masks(a, b):
 
 SPLIT_ROUTER = Policy(router_split_max_tokens=128)  # a 74-token step on norm_route's split kernel, not its D-split pair
 SPLIT_ROUTER_16 = Policy(router_split_max_tokens=128, router_split_tile=16)  # ... in tiles of 16 tokens
-ONE_LAUNCH_ROUTER = Policy(router_one_launch_max_tokens=74)  # ... on its one-launch D-split kernel
 
 
-@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, ALL_DENSE_LINEARS, SPLIT_ROUTER, SPLIT_ROUTER_16,
-                                    ONE_LAUNCH_ROUTER],
-                         ids=["default", "all-sparse", "dense-linears", "split-router", "split-router-16", "one-launch"])
+@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, ALL_DENSE_LINEARS, SPLIT_ROUTER, SPLIT_ROUTER_16],
+                         ids=["default", "all-sparse", "dense-linears", "split-router", "split-router-16"])
 def test_triton_forward_routes_identically_and_matches_reference_logits(launches, policy):
     m = wide_model()
     idx = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -101,10 +99,8 @@ def test_triton_forward_routes_identically_and_matches_reference_logits(launches
     assert launches.count("gemm_k_kernel") == (2 * len(m.layers) if policy is ALL_SPARSE else 0)
     split = policy in (SPLIT_ROUTER, SPLIT_ROUTER_16)  # the router in the norm's launch, one kernel or the other
     assert launches.count("norm_route_kernel") == (2 * len(m.layers) if split else 0)
-    one = policy is ONE_LAUNCH_ROUTER
-    assert launches.count("norm_route_slice_kernel") == (2 * len(m.layers) if one else 0)
     for half in ("norm_route_part_kernel", "norm_route_finish_kernel"):  # the prefill chunk's two launches
-        assert launches.count(half) == (0 if split or one else 2 * len(m.layers))
+        assert launches.count(half) == (0 if split else 2 * len(m.layers))
     if split:  # the tiles the policy asked for: 74 tokens in tiles of 4 or 16
         tiles = {grid[1] for grid in launches.grids["norm_route_kernel"]}
         assert tiles == {-(-74 // (16 if policy is SPLIT_ROUTER_16 else 4))}

@@ -244,78 +244,6 @@ def test_prefill_norm_route_executes_on_a_tie_and_skips_on_a_larger_skip_logit()
     assert keep.tolist() == [[[True, False, True, True]] * T] * B and torch.equal(keepf, keep.float())
 
 
-# ... and in one launch (kernels_route._norm_route_slice_kernel): each (tile, D-slice) program forms its tiles'
-# whole rows for the sums of squares, the tile's last program the rule. (B, T, D, G, config): one token past the
-# split kernel's limit (the interpreter's default tiles of 16: tensor-core dots); tiles of 4 (CUDA-core dots) with
-# D a multiple of neither RK, DS nor BK; one slice (its program is the last); tiles of 8, three slices, G = 7.
-SLICES = [(1, policy.NORM_ROUTE_SPLIT_MAX_TOKENS + 1, 64, 4, None),
-          (2, 37, 100, 4, dict(BT=4, RK=32, BK=16, DS=32)),
-          (1, 70, 96, 4, dict(BT=16, RK=128, BK=32, DS=96)),
-          (3, 30, 160, 7, dict(BT=8, RK=64, BK=16, DS=64))]
-
-
-@pytest.mark.parametrize("B, T, D, G, config", SLICES, ids=["65 tokens", "tiles of 4, D=100", "one slice", "G=7"])
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("scale", [4.0, 1e-3])
-def test_prefill_norm_route_in_one_launch_matches_twin_and_the_router_itself(launches, B, T, D, G, config,
-                                                                              with_residual, scale):
-    r, norm, x, res = split_d_case(B, T, D, G, config, scale)
-    residual = res if with_residual else None
-    tickets = torch.zeros(64, dtype=torch.int32, device=DEV)
-    with torch.no_grad():
-        normed, keep, keepf, live = kernels_route.norm_route(x, norm, r, residual, tickets, config=config,
-                                                             one_launch_max_tokens=B * T)
-        ref_normed, ref, ref_f = kernels_route.norm_route_ref(x, norm, r, residual)
-        assert live is None
-        assert torch.equal(keep, ref) and torch.equal(keepf, ref_f), "routing decisions must be identical"
-        assert torch.equal(keepf, r(res + x if with_residual else x)), "the twin is the router's own rule"
-        for got, want in zip(normed if with_residual else [normed], ref_normed if with_residual else [ref_normed]):
-            assert_close(got, want, atol=1e-5, what="h / RMSNorm(h) (or never written: NaN)")
-    cfg = kernels_route.config_for("norm_route_slices", config)
-    tiles, S = -(-B * T // cfg["BT"]), -(-D // cfg["DS"])
-    assert launches.grids["norm_route_slice_kernel"] == [(tiles, S)], "a program per (token tile, D-slice)"
-    assert launches.count("norm_route_part_kernel") == launches.count("norm_route_finish_kernel") == 0
-    assert not tickets.any(), "each tile's last program leaves its ticket zero (a graph replays it)"
-    assert 0 < keep.float().mean() < 1, "a test router should skip some groups"
-
-
-def test_prefill_norm_route_takes_one_launch_up_to_its_limit_and_the_pair_past_it(launches):
-    r, norm, x, res = split_d_case(1, 70, 96, 4, None, 4.0)
-    with torch.no_grad():
-        kernels_route.norm_route(x[:, :69], norm, r, res[:, :69], one_launch_max_tokens=69)
-        assert launches.count("norm_route_slice_kernel") == 1 and launches.count("norm_route_part_kernel") == 0
-        kernels_route.norm_route(x, norm, r, res, one_launch_max_tokens=69)
-    assert launches.count("norm_route_slice_kernel") == 1 and launches.count("norm_route_part_kernel") == 1
-
-
-@pytest.mark.parametrize("B, T, D, G, config", SLICES[1:2] + SLICES[3:], ids=["tiles of 4", "G=7"])
-def test_prefill_norm_route_in_one_launch_in_bf16_decides_on_the_h_it_wrote(B, T, D, G, config):
-    r, norm, x, res = split_d_case(B, T, D, G, config, 4.0, torch.bfloat16)
-    with torch.no_grad():
-        (h, y), keep, keepf, _ = kernels_route.norm_route(x, norm, r, res, config=config, one_launch_max_tokens=B * T)
-        (h_ref, y_ref), _, _ = kernels_route.norm_route_ref(x, norm, r, res)
-        assert h.dtype == y.dtype == torch.bfloat16
-        assert ((h.float() - h_ref.float()).abs() <= 2 ** -7 * h_ref.float().abs()).all(), "h: one bf16 step"
-        assert_close(y.float(), kernels_step.rms_norm_ref(h, norm).float(), rtol=1e-2, what="RMSNorm(h)")
-        z = r.logits(h)
-        sure = (z[..., 0] - z[..., 1]).abs() > 1e-4
-        assert sure.float().mean() > 0.95 and torch.equal(keepf[sure], r(h)[sure])
-        assert torch.equal(keep, keepf > 0.5)
-
-
-@pytest.mark.parametrize("config", [SLICES[1][4], SLICES[3][4]], ids=["tiles of 4", "tiles of 8"])
-def test_prefill_norm_route_in_one_launch_executes_on_a_tie_and_skips_on_a_larger_skip_logit(config):
-    B, T, D, G = 2, 37, 100, 4
-    r, norm, x, res = split_d_case(B, T, D, G, config, 4.0)
-    with torch.no_grad():
-        up = r.up.weight.view(G, 2, -1)
-        up[1:3] = 0
-        up[:, 1] = up[:, 0]
-        r.up.bias.view(G, 2)[:, 1] = r.up.bias.view(G, 2)[:, 0] + torch.tensor([0.0, 1e-3, -1e-3, 0.0], device=DEV)
-        _, keep, keepf, _ = kernels_route.norm_route(x, norm, r, res, config=config, one_launch_max_tokens=B * T)
-    assert keep.tolist() == [[[True, False, True, True]] * T] * B and torch.equal(keepf, keep.float())
-
-
 @pytest.mark.parametrize("M, K", [(1, 64), (5, 100), (3, 5000)])  # K: a power of two, not, past one program's slice
 @pytest.mark.parametrize("p_on", [None, 0.0, 0.5, 1.0], ids=["no mask", "all off", "half", "all on"])
 def test_swiglu_rows_matches_its_twin_and_zeroes_the_pruned_groups(launches, M, K, p_on):
@@ -346,9 +274,6 @@ def test_swiglu_rows_and_prefill_norm_route_on_the_gpu_in_bf16():
     (h_ref, n_ref), keep_ref, _ = kernels_route.norm_route_ref(x, norm, r, res)
     assert torch.equal(h, h_ref) and (n.float() - n_ref.float()).abs().max() < 0.05
     assert (keep != keep_ref).float().mean() < 1e-3, "decisions: at most a near-tie's worth differ"
-    (h1, n1), keep1, _, _ = kernels_route.norm_route(x, norm, r, res, one_launch_max_tokens=300)  # in one launch
-    assert torch.equal(h1, h_ref) and (n1.float() - n_ref.float()).abs().max() < 0.05
-    assert (keep1 != keep_ref).float().mean() < 1e-3
 
 
 def test_fused_weights_are_views_and_change_no_output():

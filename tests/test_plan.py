@@ -189,9 +189,6 @@ def test_the_thresholds_move_ops_between_triton_and_cublas():
     assert kernels(p, 64) == ("norm_route_kernel",) and kernels(p, 65) == chunk
     split = policy.Policy(router_split_max_tokens=256)
     assert kernels(split, 256) == ("norm_route_kernel",) and kernels(split, 257) == chunk
-    one = policy.Policy(router_one_launch_max_tokens=512)  # ... or in one launch up to its limit
-    assert kernels(one, 64) == ("norm_route_kernel",) and kernels(one, 65) == kernels(one, 512) == \
-        ("norm_route_slice_kernel",) and kernels(one, 513) == chunk
     assert where(4096, False, "attn_norm") == "Triton"  # the router in the norm's launch at any length
     assert kernels(policy.Policy(router_max_tokens=64), 65) == ("rms_norm_kernel",)  # then the module itself
     # the dense model's linears: WIDE's kernels with every group live up to dense_gemv_max_tokens, then cuBLAS

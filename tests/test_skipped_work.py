@@ -396,22 +396,3 @@ def test_prefill_norm_route_reads_each_row_once_and_the_routers_weights_once_per
     assert torch.equal(rec.reads("_norm_route_finish_kernel", "part_ss"), torch.full((4, M), 4))
     assert torch.equal(rec.reads("_norm_route_finish_kernel", "part_z"), torch.ones(4, M, 32, dtype=torch.long))
 
-
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_prefill_norm_route_in_one_launch_reads_each_row_once_per_slice_and_once_more_for_its_own(with_residual):
-    # kernels_route's one-launch kernel on 37 tokens, D = 100 in slices of 32 (S = 4, the last short), tiles of 4
-    M, D, BT, S = 37, 100, 4, 4
-    torch.manual_seed(0)
-    r, norm = wide.Router(D, 4, 32).eval(), RMSNorm(D, 1e-5)
-    x, res = randn(1, M, D, seed=1), randn(1, M, D, seed=2)
-    with recorded_loads() as rec, torch.no_grad():
-        kernels_route.norm_route(x, norm, r, res if with_residual else None,
-                                config=dict(BT=BT, RK=64, BK=16, DS=32), split_max_tokens=0, one_launch_max_tokens=M)
-    tiles = -(-M // BT)
-    assert torch.equal(rec.reads("_norm_route_slice_kernel", "x"), torch.full((M, D), S + 1))
-    if with_residual:
-        assert torch.equal(rec.reads("_norm_route_slice_kernel", "res"), torch.full((M, D), S + 1))
-    assert torch.equal(rec.reads("_norm_route_slice_kernel", "wd"), torch.full((32, D), tiles)), "once per tile"
-    assert torch.equal(rec.reads("_norm_route_slice_kernel", "wu"), torch.full((8, 32), tiles))
-    # each token's S shares of the first Linear, once, by its tile's last program (rank 32)
-    assert torch.equal(rec.reads("_norm_route_slice_kernel", "part_z"), torch.ones(S, M, 32, dtype=torch.long))
