@@ -1,4 +1,4 @@
-"""The engine's fused step kernels (kernels_step.py) against their twins, and what the engine does to the weights.
+"""The engine's fused step kernels (kernels_step.py, kernels_route.py) against their twins, and what the engine does to the weights.
 
 The fused small kernels of a step (residual add + RMSNorm + router, RMSNorm alone, RoPE with the
 KV-cache write) each have a PyTorch twin; on CPU they run in the Triton interpreter (fp32), and
