@@ -357,6 +357,8 @@ class Engine:
             k, v = kv[:, :Hkv * d], kv[:, Hkv * d:]
             q = rope_and_store(q, k, v, step, kc, vc, H, Hkv, d).view(B, T, H, d).transpose(1, 2)
         kind, S = ops["attention"].kind, step.start  # a prefill chunk at `start` sees the start + T keys before it
+        zeroed = kind.endswith("_zeroed")  # every head runs, then the pruned heads' outputs are set to 0
+        kind = kind.removesuffix("_zeroed")
         if kind == "decode_live":
             y = attention_decode(q, kc, vc, mask, step.kv_len, tickets=self.tickets)  # skips idle KV heads
         elif kind == "decode_every":
@@ -373,7 +375,10 @@ class Engine:
             y = F.scaled_dot_product_attention(q, kc[:, :, :S + T], vc[:, :, :S + T],
                                                attn_mask=self.model.causal_mask[S:S + T, :S + T],
                                                enable_gqa=Hkv != H)
-        y = y.transpose(1, 2).reshape(M, H * d)  # pruned heads are exact zeros here
+        y = y.transpose(1, 2)  # [B, T, H, d], laid out for O by the copy below
+        if zeroed:  # the same copy zeroes the pruned heads: [B, T, G groups, H / G heads, d]
+            y = torch.where(head_mask.view(B, T, -1, 1, 1), y.view(B, T, head_mask.shape[-1], -1, d), 0)
+        y = y.reshape(M, H * d)  # pruned heads are exact zeros here
         op = ops["o"]
         if op.kind == "gemm_k_all":  # the dense model: every group live
             gs, head_live = dense_group(nq), None
@@ -470,7 +475,7 @@ def warm_chunks(chunk, positions, policy):
     for start in (0, chunk):
         room = min(chunk, positions - start)  # the longest chunk at this start
         thresholds = (policy.sparse_prefill_min_tokens, policy.router_max_tokens, policy.fp8_scaled_mm_min_tokens,
-                      policy.router_split_max_tokens)
+                      policy.router_split_max_tokens, policy.live_attention_min_tokens)
         lengths = set(range(1, small + 1)) | {t + d for t in thresholds for d in (-1, 0, 1)}
         p = 1
         while p < 2 * room:  # each power-of-two bucket up to room's: its longest length and the one below

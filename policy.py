@@ -68,6 +68,11 @@ KINDS = {
     "prefill_every": "attn_prefill with every head on (a chunk after the first)",
     "sdpa_causal": "SDPA, causal (cuDNN / flash): the dense baseline at its best",
     "sdpa_rows": "SDPA with the model's causal-mask rows for a chunk after the first",
+    "sdpa_causal_zeroed": "SDPA, causal, every head; the pruned heads' outputs zeroed as they are laid out for O",
+    "prefill_every_zeroed": "attn_prefill with every head on (a chunk after the first); the pruned heads' outputs zeroed "
+                            "as they are laid out for O",
+    "sdpa_rows_zeroed": "SDPA with the causal-mask rows, every head; the pruned heads' outputs zeroed as they are laid "
+                        "out for O",
     "gemv_fused": "gate+up over the live channel groups only, silu(gate)*up in the epilogue (gemm_mn's decode GEMV)",
     "gemv_fused_all": "gate+up, every group as the dense tail of gemm_mn's decode GEMV, silu(gate)*up in the epilogue",
     "tiles_fused": "gate+up over the live (group, token-tile) items, silu(gate)*up in the epilogue (gemm_mn)",
@@ -126,6 +131,11 @@ class Policy:
     # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa" (with
     # the model's causal-mask rows, which rules out flash); the Triton kernel was the faster on the H200.
     dense_chunk_attention: str = "triton"
+    # WIDE prefill chunks of fewer tokens run attention as the dense model does (every head: SDPA from start 0,
+    # dense_chunk_attention after it) and zero the pruned heads' outputs in the copy that lays them out for O:
+    # in a short chunk nearly every (head group, query tile) has a token that runs the group, so the layout and
+    # the live-tile kernel cost more than they skip. 0: the live tiles at every length.
+    live_attention_min_tokens: int = 0
 
     def plan(self, shape, routers):
         """The whole step: routers is one (attn, ffn) pair per layer, each None (no router), "wide" (a
@@ -134,9 +144,8 @@ class Policy:
             routers = [(a, None) for a, _ in routers]
         layers = [self.layer_plan(shape, a, f) for a, f in routers]
         step = {"step_embed": Op("embed", "torch")}
-        if (not shape.decode and shape.start > 0 and self.dense_chunk_attention == "triton"
-                and any(a is None for a, _ in routers)):  # built once per step, shared by the dense layers
-            step["step_every_head"] = Op("layout", "Triton", kernels=LAYOUT)
+        if any(layer["attention"].kind.startswith("prefill_every") for layer in layers):
+            step["step_every_head"] = Op("layout", "Triton", kernels=LAYOUT)  # built once per step, shared
         step["step_norm"] = Op("norm", "Triton", kernels=("rms_norm_kernel",))
         step["step_head"] = Op("cublas", "cuBLAS", shape.dtype)
         return Plan(shape, step, layers)
@@ -146,13 +155,13 @@ class Policy:
         decided on its own, by one method below, from the step's shape and whether its part has a router."""
         w = weight_format(shape)
         ops = {"attn_norm": self.norm_op(shape, attn_router)}
-        qkv = self.qkv_op(shape, attn_router, w)
-        if attn_router is not None and (not shape.decode or qkv.kind == "tiles"):
+        qkv, attention = self.qkv_op(shape, attn_router, w), self.attention_op(shape, attn_router)
+        if attention.kind == "prefill_live" or qkv.kind == "tiles":
             ops["attn_layout"] = Op("layout", "Triton", kernels=LAYOUT)  # prefill attention and Q's tiles read it
         ops["qkv"] = qkv
         if qkv.kind not in ("gemv", "gemv_all"):  # the decode GEMV does RoPE and the cache write in its epilogue
             ops["rope"] = Op("rope", "Triton", kernels=("rope_kernel",))
-        ops["attention"] = self.attention_op(shape, attn_router)
+        ops["attention"] = attention
         ops["o"] = self.o_op(shape, attn_router, w)
         ops["ffn_norm"] = self.norm_op(shape, ffn_router)
         gate_up = self.gate_up_op(shape, ffn_router, w)
@@ -211,7 +220,8 @@ class Policy:
         return Op("tiles", "Triton + cuBLAS", w, ("gemm_mn_kernel",))
 
     def attention_op(self, shape, router):
-        """Attention over the live head groups where there is a router; the dense baseline at its best where not."""
+        """Attention over the live head groups where there is a router; the dense baseline at its best where not
+        (and in WIDE's short prefill chunks, then the pruned heads' outputs zeroed)."""
         if shape.decode and router is not None:
             return Op("decode_live", "Triton", kernels=DECODE_ATTENTION)
         if shape.decode:
@@ -219,7 +229,10 @@ class Policy:
                 return Op("decode_sdpa", "SDPA")
             return Op("decode_every", "Triton", kernels=DECODE_ATTENTION)
         if router is not None:
-            return Op("prefill_live", "Triton", kernels=("attn_prefill_kernel",))
+            if shape.tokens >= self.live_attention_min_tokens:
+                return Op("prefill_live", "Triton", kernels=("attn_prefill_kernel",))
+            every = self.attention_op(shape, None)
+            return every._replace(kind=every.kind + "_zeroed")
         if shape.start == 0:
             return Op("sdpa_causal", "SDPA")
         if self.dense_chunk_attention == "triton":

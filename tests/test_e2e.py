@@ -82,10 +82,11 @@ def assert_same_masks(a, b):
 
 SPLIT_ROUTER = Policy(router_split_max_tokens=128)  # a 74-token step on norm_route's split kernel, not its D-split pair
 SPLIT_ROUTER_16 = Policy(router_split_max_tokens=128, router_split_tile=16)  # ... in tiles of 16 tokens
+EVERY_HEAD = Policy(live_attention_min_tokens=75)  # a 74-token step's attention over every head, pruned heads zeroed
 
 
-@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, ALL_DENSE_LINEARS, SPLIT_ROUTER, SPLIT_ROUTER_16],
-                         ids=["default", "all-sparse", "dense-linears", "split-router", "split-router-16"])
+@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, ALL_DENSE_LINEARS, SPLIT_ROUTER, SPLIT_ROUTER_16, EVERY_HEAD],
+                         ids=["default", "all-sparse", "dense-linears", "split-router", "split-router-16", "every-head"])
 def test_triton_forward_routes_identically_and_matches_reference_logits(launches, policy):
     m = wide_model()
     idx = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -93,8 +94,12 @@ def test_triton_forward_routes_identically_and_matches_reference_logits(launches
     assert_same_masks(ref_masks, out_masks)
     assert 0.2 < torch.stack([a.mean() for a in ref_masks["attn"]]).mean() < 0.8, "routers should skip some groups"
     assert_close(out, ref, 1e-5)
-    # 74 tokens: layout and prefill attention always; the pruned linears where the policy says so.
-    assert launches.count("layout_kernel") > 0 and launches.count("attn_prefill_kernel") == len(m.layers)
+    # 74 tokens: layout and prefill attention (but for SDPA over every head); the pruned linears where the policy
+    # says so.
+    if policy is EVERY_HEAD:  # nothing reads a layout then
+        assert launches.count("layout_kernel") == launches.count("attn_prefill_kernel") == 0
+    else:
+        assert launches.count("layout_kernel") > 0 and launches.count("attn_prefill_kernel") == len(m.layers)
     assert launches.count("gemm_mn_kernel") == (2 * len(m.layers) if policy is ALL_SPARSE else 0)
     assert launches.count("gemm_k_kernel") == (2 * len(m.layers) if policy is ALL_SPARSE else 0)
     split = policy in (SPLIT_ROUTER, SPLIT_ROUTER_16)  # the router in the norm's launch, one kernel or the other
@@ -145,13 +150,16 @@ def test_dense_model_through_the_triton_engine_equals_the_reference(launches):
     assert launches.count("attn_decode_kernel") == len(m.layers) and launches.count("rms_norm_kernel") > 0
 
 
-@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE], ids=["default", "all-sparse"])
+@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, EVERY_HEAD], ids=["default", "all-sparse", "every-head"])
 def test_prefill_in_chunks_through_the_engine_equals_the_whole_prompt(launches, policy):
     # A long prompt fed in chunks (serve.py does this between decode steps): each chunk attends to the
     # cache before it, and the logits equal the reference's whole-prompt forward.
-    # Routed: both multi-token chunks run the prefill kernel. Dense: the first runs SDPA (is_causal), the
-    # later one the kernel with every head on (Policy.dense_chunk_attention), or SDPA with mask rows.
-    for routers, chunk_attention, kernel_chunks in ((True, "triton", 2), (False, "triton", 1), (False, "sdpa", 0)):
+    # Routed: both multi-token chunks run the prefill kernel (with EVERY_HEAD as dense, the pruned heads then
+    # zeroed). Dense: the first runs SDPA (is_causal), the later one the kernel with every head on
+    # (Policy.dense_chunk_attention), or SDPA with mask rows.
+    every = policy is EVERY_HEAD
+    for routers, chunk_attention, kernel_chunks in ((True, "triton", 1 if every else 2), (True, "sdpa", 0 if every else 2),
+                                                    (False, "triton", 1), (False, "sdpa", 0)):
         m = wide_model(routers=routers)
         idx = torch.randint(0, 96, (2, 23), generator=torch.Generator().manual_seed(4)).to(DEV)
         e = engine.Engine(m, dataclasses.replace(policy, dense_chunk_attention=chunk_attention))

@@ -191,6 +191,17 @@ def test_the_thresholds_move_ops_between_triton_and_cublas():
     assert kernels(split, 256) == ("norm_route_kernel",) and kernels(split, 257) == chunk
     assert where(4096, False, "attn_norm") == "Triton"  # the router in the norm's launch at any length
     assert kernels(policy.Policy(router_max_tokens=64), 65) == ("rms_norm_kernel",)  # then the module itself
+    # WIDE's short prefill chunks: attention over every head as dense runs it (no layout), the pruned heads zeroed
+    every = policy.Policy(live_attention_min_tokens=512)
+    plan = lambda M, start: every.plan(policy.Shape(M, False, start), routed)
+    assert [plan(511, s).layers[0]["attention"].kind for s in (0, 8)] == ["sdpa_causal_zeroed", "prefill_every_zeroed"]
+    assert "attn_layout" not in plan(511, 0).layers[0] and "step_every_head" in plan(511, 8).step
+    assert plan(512, 8).layers[0]["attention"].kind == "prefill_live" and "attn_layout" in plan(512, 8).layers[0]
+    assert "step_every_head" not in plan(512, 8).step
+    assert plan(511, 8).layers[0]["attention"].kernels == ("attn_prefill_kernel",)
+    assert every.plan(policy.Shape(4, True), routed).layers[0]["attention"].kind == "decode_live"
+    sdpa = policy.Policy(live_attention_min_tokens=512, dense_chunk_attention="sdpa")
+    assert sdpa.plan(policy.Shape(100, False, 8), routed).layers[0]["attention"].kind == "sdpa_rows_zeroed"
     # the dense model's linears: WIDE's kernels with every group live up to dense_gemv_max_tokens, then cuBLAS
     linears = lambda pol, M: {op.kind for name, op in pol.plan(policy.Shape(M, True), [(None, None)]).layers[0].items()
                               if name in ("qkv", "o", "gate_up", "down")}

@@ -248,6 +248,7 @@ def chunk_keys(launches, e, chunk, positions):
 @pytest.mark.parametrize("chunk, slot_len, policy, weights", [
     (100, 180, Policy(router_max_tokens=8, sparse_prefill_min_tokens=24), "bf16"),  # every threshold within the chunk
     (100, 180, Policy(router_split_max_tokens=80, router_split_tile=16), "bf16"),  # the router kernels' switch
+    (100, 180, Policy(live_attention_min_tokens=70), "bf16"),  # short chunks' attention over every head
     (300, 620, Policy(), "bf16"), (65, 200, Policy(), "bf16"),  # the default's; a chunk neither a power of 2 nor of 16
     (100, 180, Policy(router_max_tokens=8, sparse_prefill_min_tokens=24, fp8_scaled_mm_min_tokens=8), "fp8")])
 def test_a_warmed_up_server_compiles_nothing_for_any_chunk(launches, routers, chunk, slot_len, policy, weights):
