@@ -34,7 +34,7 @@ def fold_offsets(model, offsets):
 
     Exact and free: z_skip + offset is what the router's second Linear now computes, so every path that
     applies the router's own rule applies the dial without knowing about it: Router.forward in the torch
-    path, and the fused router kernel of kernels_route.py (z_skip + b_skip <= z_exec + b_exec, a tie executes),
+    path, and the fused router kernel of kernels_step.py (z_skip + b_skip <= z_exec + b_exec, a tie executes),
     which therefore needs no change. The checkpoint keeps the raw biases; wide.json keeps the offsets."""
     for kind, i, r in router_list(model):
         if kind in offsets:

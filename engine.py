@@ -27,8 +27,7 @@ import kernels_gemv
 from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
-from kernels_route import norm_route
-from kernels_step import quantize_rows, quantize_rows_ref, rms_norm, rope_and_store, swiglu_rows
+from kernels_step import norm_route, quantize_rows, quantize_rows_ref, rms_norm, rope_and_store, swiglu_rows
 from policy import GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE, Plan, Policy, Shape
 from wide import shared_by_vote
 

@@ -399,7 +399,7 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     CUDA graph can replay it; an engine keeps one buffer); None allocates them.
     w_scale [N]: w is float8_e4m3fn with these per-row scales ("tile" reads the fp8 bytes at any M;
     "atomic" dequantizes first).
-    live: the router's live list of this mask (kernels_route.norm_route), int32 [1 + G]; a decode step's
+    live: the router's live list of this mask (kernels_step.norm_route), int32 [1 + G]; a decode step's
     tile (all its tokens) reads it instead of scanning the mask.
 
     method="tile" (default): deterministic, no atomics (see _gemm_k_kernel).

@@ -6,7 +6,7 @@ The decode GEMVs: a step of a few tokens streams the weights of its live groups,
 kernels.gemm_mn calls it for decode-sized steps; its twin is kernels.gemm_mn_ref. P persistent programs share
 the live groups' chunks (BN output rows each) out evenly, whole chunks per program, so no partial sum ever
 leaves a program. Each program lists the live groups from the mask itself (a few hundred bytes): reading the
-router's live list instead (kernels_route.norm_route writes one; gemm_k's decode tile reads it) made this
+router's live list instead (kernels_step.norm_route writes one; gemm_k's decode tile reads it) made this
 kernel use more registers and run slower on the H200 (results/decode_designs_h200.md).
 """
 from typing import NamedTuple

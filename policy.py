@@ -6,7 +6,7 @@ per op. engine.py runs straight through the plan; `Plan.text()` is what `generat
 prints; the tests record a step's launches and compare them with `Plan.launches()`.
 
 Every token count that decides where an op runs is named here: the Policy's fields, and the two below at
-which a kernel itself changes its code path (kernels.py and kernels_route.py read them from here).
+which a kernel itself changes its code path (kernels.py and kernels_step.py read them from here).
 """
 from collections import Counter
 from dataclasses import dataclass
@@ -47,7 +47,7 @@ class Op(NamedTuple):
 # kind -> what the op does then (the text generate.py prints)
 KINDS = {
     "norm": "RMSNorm (rms_norm)",
-    "norm_route": "RMSNorm + the router in one launch (norm_route; a long prefill chunk: two), residual add fused",
+    "norm_route": "RMSNorm + the router in one launch (norm_route; two in a prefill chunk), residual add fused",
     "norm_then_router": "RMSNorm (rms_norm), then the router module itself (two fp32 GEMMs)",
     "norm_fp8": "RMSNorm (rms_norm), its output as per-token fp8 rows for _scaled_mm, in the same launch",
     "layout": "mask reordering: per group, its live tokens first (layout + work list)",
@@ -201,9 +201,9 @@ class Policy:
         if router is None:
             return Op("norm", "Triton", kernels=("rms_norm_kernel",))
         if router == "wide" and shape.tokens <= self.router_max_tokens:
-            if shape.tokens <= self.router_split_max_tokens:  # short: the ranks split over programs
-                return Op("norm_route", "Triton", kernels=("norm_route_kernel",))
-            return Op("norm_route", "Triton", kernels=("norm_route_part_kernel", "norm_route_finish_kernel"))
+            split = shape.tokens <= self.router_split_max_tokens  # short: the ranks split over programs
+            return Op("norm_route", "Triton", kernels=("norm_route_kernel",) if split else
+                      ("norm_route_part_kernel", "norm_route_finish_kernel"))
         return Op("norm_then_router", "Triton + torch", kernels=("rms_norm_kernel",))
 
     def qkv_op(self, shape, router, w):

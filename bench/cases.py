@@ -17,8 +17,7 @@ import kernels
 from bench import common
 from kernels_attention import attention_decode, attention_decode_ref, attention_prefill, attention_prefill_ref
 from kernels_layout import layout
-from kernels_route import live_ref, norm_route, norm_route_ref
-from kernels_step import quantize_rows, rms_norm
+from kernels_step import live_ref, norm_route, norm_route_ref, quantize_rows, rms_norm
 from model import RMSNorm
 from policy import GEMV_MAX_TOKENS, NORM_ROUTE_TILE
 from wide import Router
@@ -276,7 +275,7 @@ def case_decode_attention(s):
 
 
 def case_norm_route(s, T, G):
-    """A prefill chunk's residual add + RMSNorm + router (kernels_route.norm_route) for a G-group router: h,
+    """A prefill chunk's residual add + RMSNorm + router (kernels_step.norm_route) for a G-group router: h,
     RMSNorm(h) and the decisions, checked against the twin (one flipped decision fails the check). A config goes
     to the D-split pair (norm_route_parts); SPLIT_TILE (a number of tokens) sends the chunk to the split kernel
     in tiles of that many instead. Dense: the engine's other path (the norm kernel, then the router module op by

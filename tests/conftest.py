@@ -49,12 +49,11 @@ class LaunchRecorder:
         import kernels_attention
         import kernels_gemv
         import kernels_layout
-        import kernels_route
         import kernels_step
         self.grids, self.constants = {}, {}  # name -> grids; name -> the launches' int/bool keyword args
         self.keys = set()  # (name, specialization): what Triton would compile each launch for (specialization)
         self.dry = False  # True: record the launches without running them (their outputs stay unwritten)
-        for mod in (kernels, kernels_gemv, kernels_layout, kernels_attention, kernels_route, kernels_step, engine):
+        for mod in (kernels, kernels_gemv, kernels_layout, kernels_attention, kernels_step, engine):
             for name, fn in list(vars(mod).items()):
                 if name.endswith("_kernel") and hasattr(fn, "__getitem__"):
                     monkeypatch.setattr(mod, name, self._spy(name.strip("_"), fn))

@@ -1,4 +1,4 @@
-"""The engine's fused step kernels (kernels_step.py, kernels_route.py) against their twins, and what the engine does to the weights.
+"""The engine's fused step kernels (kernels_step.py) against their twins, and what the engine does to the weights.
 
 The fused small kernels of a step (residual add + RMSNorm + router, RMSNorm alone, RoPE with the
 KV-cache write) each have a PyTorch twin; on CPU they run in the Triton interpreter (fp32), and
@@ -10,7 +10,6 @@ import torch
 import engine
 import kernels
 import kernels_gemv
-import kernels_route
 import kernels_step
 import policy
 import wide
@@ -118,16 +117,16 @@ def test_norm_route_kernel_matches_twin_and_the_router_itself(M, with_residual, 
         x, res = randn(2, M, 64, seed=7, std=scale), randn(2, M, 64, seed=11, std=scale)
         ticket = torch.zeros(64, dtype=torch.int32, device=DEV)  # one per tile of NORM_ROUTE_TILE tokens
         for _ in range(2):  # the tickets are back at zero after a launch, so a second one works the same
-            normed, keep, keepf, live = kernels_route.norm_route(x, norm, r, res if with_residual else None, ticket,
+            normed, keep, keepf, live = kernels_step.norm_route(x, norm, r, res if with_residual else None, ticket,
                                                                 ranks_per_program, split_max_tokens=split_max,
                                                                 tile_tokens=tile)
             assert not ticket.any()
-        ref_normed, ref, ref_f = kernels_route.norm_route_ref(x, norm, r, res if with_residual else None)
+        ref_normed, ref, ref_f = kernels_step.norm_route_ref(x, norm, r, res if with_residual else None)
         assert torch.equal(keep, ref) and torch.equal(keepf, ref_f), "routing decisions must be identical"
         # A step of a few tokens (the second Linear in the same launch) also gets its live list.
         assert (live is not None) == (2 * M <= tile)
         if live is not None:
-            assert torch.equal(live, kernels_route.live_ref(ref)), "the live list: count, live groups, then the others"
+            assert torch.equal(live, kernels_step.live_ref(ref)), "the live list: count, live groups, then the others"
         assert torch.equal(keepf, r(res + x if with_residual else x)), "the twin is the router's own rule"
         for got, want in zip(normed if with_residual else [normed], ref_normed if with_residual else [ref_normed]):
             assert_close(got, want, atol=1e-5, what="h / RMSNorm(h)")
@@ -141,7 +140,7 @@ def test_norm_route_kernel_executes_on_a_tie(T):
     with torch.no_grad():
         r.up.weight.view(4, 2, -1)[:, 1] = r.up.weight.view(4, 2, -1)[:, 0]
         r.up.bias.zero_()
-        _, keep, keepf, _ = kernels_route.norm_route(randn(1, T, 64, seed=8), norm, r)
+        _, keep, keepf, _ = kernels_step.norm_route(randn(1, T, 64, seed=8), norm, r)
     assert keep.all() and (keepf == 1).all()
 
 
@@ -151,10 +150,10 @@ def test_norm_route_live_list_counts_the_groups_some_token_runs_then_lists_the_r
     with torch.no_grad():
         r.up.weight.zero_()
         r.up.bias.view(4, 2)[:, 1] = torch.tensor(skip, dtype=torch.float32) * 2 - 1  # +1: skip, -1: run
-        _, keep, _, live = kernels_route.norm_route(randn(1, 2, 64, seed=9), norm, r)
+        _, keep, _, live = kernels_step.norm_route(randn(1, 2, 64, seed=9), norm, r)
     on = [g for g in range(4) if not skip[g]]
     assert live.tolist() == [len(on)] + on + [g for g in range(4) if skip[g]]
-    assert torch.equal(live, kernels_route.live_ref(keep))
+    assert torch.equal(live, kernels_step.live_ref(keep))
 
 
 def test_norm_route_kernel_skips_when_the_skip_logit_is_larger():
@@ -162,12 +161,12 @@ def test_norm_route_kernel_skips_when_the_skip_logit_is_larger():
     with torch.no_grad():
         r.up.weight.zero_()
         r.up.bias.view(4, 2)[:, 1] = torch.tensor([1e-3, -1e-3, 1e-3, -1e-3])  # skip, run, skip, run
-        _, keep, _, _ = kernels_route.norm_route(randn(2, 3, 64, seed=9), norm, r)
+        _, keep, _, _ = kernels_step.norm_route(randn(2, 3, 64, seed=9), norm, r)
     assert keep.tolist() == [[[False, True, False, True]] * 3] * 2
 
 
 # A prefill chunk's norm + router: D split into slices of DS columns, then the slices' sums added up
-# (kernels_route._norm_route_part_kernel, _norm_route_finish_kernel). (B, T, D, G, config): one token past the
+# (kernels_step._norm_route_part_kernel, _norm_route_finish_kernel). (B, T, D, G, config): one token past the
 # split kernel's limit in 5 tiles, the last of one token; D a multiple of neither DS nor BK (a short last
 # slice); one slice for all of D; wider tiles and a G that is no power of two.
 SPLIT_D = [(1, policy.NORM_ROUTE_SPLIT_MAX_TOKENS + 1, 64, 4, None),
@@ -195,14 +194,14 @@ def test_prefill_norm_route_splits_d_and_matches_twin_and_the_router_itself(laun
     r, norm, x, res = split_d_case(B, T, D, G, config, scale)
     residual = res if with_residual else None
     with torch.no_grad():
-        normed, keep, keepf, live = kernels_route.norm_route(x, norm, r, residual, config=config)
-        ref_normed, ref, ref_f = kernels_route.norm_route_ref(x, norm, r, residual)
+        normed, keep, keepf, live = kernels_step.norm_route(x, norm, r, residual, config=config)
+        ref_normed, ref, ref_f = kernels_step.norm_route_ref(x, norm, r, residual)
         assert live is None, "a prefill chunk has no live list: gemm_mn's tiles take the mask"
         assert torch.equal(keep, ref) and torch.equal(keepf, ref_f), "routing decisions must be identical"
         assert torch.equal(keepf, r(res + x if with_residual else x)), "the twin is the router's own rule"
         for got, want in zip(normed if with_residual else [normed], ref_normed if with_residual else [ref_normed]):
             assert_close(got, want, atol=1e-5, what="h / RMSNorm(h) (or never written: NaN)")
-    cfg = kernels_route.config_for("norm_route_parts", config)
+    cfg = kernels_step.config_for("norm_route_parts", config)
     tiles, S = -(-B * T // cfg["BT"]), -(-D // cfg["DS"])
     assert launches.grids["norm_route_part_kernel"] == [(tiles, S)], "a program per (token tile, D-slice)"
     assert launches.grids["norm_route_finish_kernel"] == [(tiles, S + 1)], "... and one more per tile: the rule"
@@ -216,8 +215,8 @@ def test_prefill_norm_route_in_bf16_matches_twin_to_rounding_and_decides_on_the_
     # one bf16 step and the decisions against the router's rule on the h the kernel wrote.
     r, norm, x, res = split_d_case(B, T, D, G, config, 4.0, torch.bfloat16)
     with torch.no_grad():
-        (h, y), keep, keepf, _ = kernels_route.norm_route(x, norm, r, res, config=config)
-        (h_ref, y_ref), _, _ = kernels_route.norm_route_ref(x, norm, r, res)
+        (h, y), keep, keepf, _ = kernels_step.norm_route(x, norm, r, res, config=config)
+        (h_ref, y_ref), _, _ = kernels_step.norm_route_ref(x, norm, r, res)
         assert h.dtype == y.dtype == torch.bfloat16 and keepf.dtype == torch.float32
         assert ((h.float() - h_ref.float()).abs() <= 2 ** -7 * h_ref.float().abs()).all(), "h: one bf16 step"
         assert_close(y.float(), kernels_step.rms_norm_ref(h, norm).float(), rtol=1e-2, what="RMSNorm(h)")
@@ -240,7 +239,7 @@ def test_prefill_norm_route_executes_on_a_tie_and_skips_on_a_larger_skip_logit()
         up[1:3] = 0
         up[:, 1] = up[:, 0]
         r.up.bias.view(G, 2)[:, 1] = r.up.bias.view(G, 2)[:, 0] + torch.tensor([0.0, 1e-3, -1e-3, 0.0], device=DEV)
-        _, keep, keepf, _ = kernels_route.norm_route(x, norm, r, res, config=config)
+        _, keep, keepf, _ = kernels_step.norm_route(x, norm, r, res, config=config)
     assert keep.tolist() == [[[True, False, True, True]] * T] * B and torch.equal(keepf, keep.float())
 
 
@@ -270,8 +269,8 @@ def test_swiglu_rows_and_prefill_norm_route_on_the_gpu_in_bf16():
     assert (got != want).float().mean() < 1e-3 and (got.float() - want.float()).abs().max() < 0.05
     r, norm = wide.Router(4096, G, 32).to(DEV).eval(), RMSNorm(4096, 1e-5).to(DEV, torch.bfloat16)
     x, res = (torch.randn(1, 300, 4096, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
-    (h, n), keep, _, _ = kernels_route.norm_route(x, norm, r, res)
-    (h_ref, n_ref), keep_ref, _ = kernels_route.norm_route_ref(x, norm, r, res)
+    (h, n), keep, _, _ = kernels_step.norm_route(x, norm, r, res)
+    (h_ref, n_ref), keep_ref, _ = kernels_step.norm_route_ref(x, norm, r, res)
     assert torch.equal(h, h_ref) and (n.float() - n_ref.float()).abs().max() < 0.05
     assert (keep != keep_ref).float().mean() < 1e-3, "decisions: at most a near-tie's worth differ"
 

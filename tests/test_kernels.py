@@ -17,7 +17,6 @@ import kernels
 import kernels_attention
 import kernels_base
 import kernels_layout
-import kernels_route
 import kernels_step
 import policy
 from conftest import assert_close as _assert_close
@@ -177,7 +176,7 @@ def test_decode_gemm_k_with_the_routers_live_list_matches_twin(M, p_on):
     if p_on == 0.5:
         mask[:, ::2] = False  # groups no token runs, at any M: the kernel takes the list's groups, not all
     res = randn(M, 24, gen=gen)
-    out = kernels.gemm_k(a, w, mask, 16, residual=res, live=kernels_route.live_ref(mask))
+    out = kernels.gemm_k(a, w, mask, 16, residual=res, live=kernels_step.live_ref(mask))
     assert_close(out, kernels.gemm_k_ref(a, w, mask, 16, residual=res))
 
 
@@ -200,7 +199,7 @@ def test_gemm_k_prefetching_its_first_weight_slice_matches_twin(launches, p_on, 
     tickets = torch.zeros(64, dtype=torch.int32, device=DEV)
     for fma in (False, True):
         out = kernels.gemm_k(garbage, w, mask, 32, residual=res, tickets=tickets, w_scale=scale,
-                             live=kernels_route.live_ref(mask),
+                             live=kernels_step.live_ref(mask),
                              config={"PREFETCH": True, "SPLIT": split, "BK": 16, "FMA": fma})
         assert_close(out, kernels.gemm_k_ref(a, w, mask, 32, residual=res, w_scale=scale))
         assert (tickets == 0).all()
@@ -479,8 +478,7 @@ def pdl_kernels():
     """(file, kernel name, body) of every @triton.jit function in the kernel files that takes PDL."""
     import ast
     found = []
-    for name in ("kernels.py", "kernels_gemv.py", "kernels_attention.py", "kernels_layout.py", "kernels_step.py",
-                 "kernels_route.py"):
+    for name in ("kernels.py", "kernels_gemv.py", "kernels_attention.py", "kernels_layout.py", "kernels_step.py"):
         tree = ast.parse(open(os.path.join(ROOT, name)).read())
         for fn in tree.body:
             if isinstance(fn, ast.FunctionDef) and "PDL" in [a.arg for a in fn.args.args] and fn.name != "prior_done":

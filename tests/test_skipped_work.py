@@ -50,7 +50,6 @@ import kernels_attention
 import kernels_base
 import kernels_gemv
 import kernels_layout
-import kernels_route
 import kernels_step
 import wide
 from model import RMSNorm
@@ -286,7 +285,7 @@ def test_decode_gemm_k_never_reads_the_weight_columns_of_a_group_no_token_runs(k
     w, ws = weight(fmt, N, K)
     if source != "own list" and long_k:
         pytest.skip("the router's list replaces the same scan in both K variants: one suffices")
-    live = kernels_route.live_ref(mask) if source != "own list" else None
+    live = kernels_step.live_ref(mask) if source != "own list" else None
     with recorded_loads() as rec:  # PREFETCH: the first slice before the PDL wait, then the loop the rest
         kernels.gemm_k(randn(M, K), w, mask, GS, w_scale=ws, live=live,
                        config=dict(PREFETCH=True) if source.endswith("prefetched") else None)
@@ -378,13 +377,13 @@ def test_swiglu_never_reads_the_gate_or_up_of_a_pruned_channel(kind, M, fp8):
 
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_prefill_norm_route_reads_each_row_once_and_the_routers_weights_once_per_token_tile(with_residual):
-    # kernels_route's D-split pair on 37 tokens, D = 100 in slices of 32 (the last one short), tiles of 16
+    # kernels_step's D-split pair on 37 tokens, D = 100 in slices of 32 (the last one short), tiles of 16
     M, D, BT = 37, 100, 16
     torch.manual_seed(0)
     r, norm = wide.Router(D, 4, 32).eval(), RMSNorm(D, 1e-5)
     x, res = randn(1, M, D, seed=1), randn(1, M, D, seed=2)
     with recorded_loads() as rec, torch.no_grad():
-        kernels_route.norm_route(x, norm, r, res if with_residual else None,
+        kernels_step.norm_route(x, norm, r, res if with_residual else None,
                                 config=dict(BT=BT, BK=16, DS=32, FINISH_BK=32), split_max_tokens=0)
     once = torch.ones(M, D, dtype=torch.long)
     assert torch.equal(rec.reads("_norm_route_part_kernel", "x"), once)
@@ -395,4 +394,3 @@ def test_prefill_norm_route_reads_each_row_once_and_the_routers_weights_once_per
     # first Linear by the one program that applies the rule (S = 4 slices, rank 32)
     assert torch.equal(rec.reads("_norm_route_finish_kernel", "part_ss"), torch.full((4, M), 4))
     assert torch.equal(rec.reads("_norm_route_finish_kernel", "part_z"), torch.ones(4, M, 32, dtype=torch.long))
-
