@@ -134,8 +134,9 @@ class Policy:
     # WIDE prefill chunks of fewer tokens run attention as the dense model does (every head: SDPA from start 0,
     # dense_chunk_attention after it) and zero the pruned heads' outputs in the copy that lays them out for O:
     # in a short chunk nearly every (head group, query tile) has a token that runs the group, so the layout and
-    # the live-tile kernel cost more than they skip. 0: the live tiles at every length.
-    live_attention_min_tokens: int = 0
+    # the live-tile kernel cost more than they skip; below sparse_prefill_min_tokens nothing else reads the layout.
+    # 0: the live tiles at every length. (results/prefill_chunks_h100_every_head.md against the live tiles)
+    live_attention_min_tokens: int = 1024
 
     def plan(self, shape, routers):
         """The whole step: routers is one (attn, ffn) pair per layer, each None (no router), "wide" (a

@@ -26,11 +26,13 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 # Every pruned linear through its Triton kernel, whatever the token count (the default policy hands
 # mid-sized steps to cuBLAS on the masked input; that path is tested too).
 DEFAULT = Policy()
-ALL_SPARSE = Policy(sparse_decode_max_tokens=10 ** 6, sparse_prefill_min_tokens=1)
+ALL_SPARSE = Policy(sparse_decode_max_tokens=10 ** 6, sparse_prefill_min_tokens=1, live_attention_min_tokens=0)
 ALL_DENSE_LINEARS = Policy(sparse_decode_max_tokens=0, sparse_prefill_min_tokens=10 ** 9)
 # The kernels that skip work in a generation with the default policy (a short prompt, then one-token
 # steps: gemm_mn runs as its GEMV kernel); a test of the Triton path that did not launch them proves nothing.
-SKIPPING = ("layout_kernel", "gemv_mn_kernel", "gemm_k_kernel", "attn_prefill_kernel", "attn_decode_kernel")
+# What skips work in a short prompt's generation by default (its prefill runs attention over every head:
+# Policy.live_attention_min_tokens): the decode kernels
+SKIPPING = ("gemv_mn_kernel", "gemm_k_kernel", "attn_decode_kernel")
 
 
 def wide_model(device=DEV, dtype=torch.float32, seed=0, routers=True, std=0.3, cfg=None, ffn_group_size=32):
@@ -82,11 +84,11 @@ def assert_same_masks(a, b):
 
 SPLIT_ROUTER = Policy(router_split_max_tokens=128)  # a 74-token step on norm_route's split kernel, not its D-split pair
 SPLIT_ROUTER_16 = Policy(router_split_max_tokens=128, router_split_tile=16)  # ... in tiles of 16 tokens
-EVERY_HEAD = Policy(live_attention_min_tokens=75)  # a 74-token step's attention over every head, pruned heads zeroed
+LIVE_TILES = Policy(live_attention_min_tokens=0)  # a 74-token step's attention over its live (group, tile) items only
 
 
-@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, ALL_DENSE_LINEARS, SPLIT_ROUTER, SPLIT_ROUTER_16, EVERY_HEAD],
-                         ids=["default", "all-sparse", "dense-linears", "split-router", "split-router-16", "every-head"])
+@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, ALL_DENSE_LINEARS, SPLIT_ROUTER, SPLIT_ROUTER_16, LIVE_TILES],
+                         ids=["default", "all-sparse", "dense-linears", "split-router", "split-router-16", "live-tiles"])
 def test_triton_forward_routes_identically_and_matches_reference_logits(launches, policy):
     m = wide_model()
     idx = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -94,9 +96,9 @@ def test_triton_forward_routes_identically_and_matches_reference_logits(launches
     assert_same_masks(ref_masks, out_masks)
     assert 0.2 < torch.stack([a.mean() for a in ref_masks["attn"]]).mean() < 0.8, "routers should skip some groups"
     assert_close(out, ref, 1e-5)
-    # 74 tokens: layout and prefill attention (but for SDPA over every head); the pruned linears where the policy
-    # says so.
-    if policy is EVERY_HEAD:  # nothing reads a layout then
+    # 74 tokens: attention over every head (SDPA, the pruned heads zeroed, nothing reads a layout) unless the policy
+    # asks for the live tiles (layout and prefill kernel); the pruned linears where the policy says so.
+    if policy.live_attention_min_tokens > 74:
         assert launches.count("layout_kernel") == launches.count("attn_prefill_kernel") == 0
     else:
         assert launches.count("layout_kernel") > 0 and launches.count("attn_prefill_kernel") == len(m.layers)
@@ -150,14 +152,14 @@ def test_dense_model_through_the_triton_engine_equals_the_reference(launches):
     assert launches.count("attn_decode_kernel") == len(m.layers) and launches.count("rms_norm_kernel") > 0
 
 
-@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, EVERY_HEAD], ids=["default", "all-sparse", "every-head"])
+@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, LIVE_TILES], ids=["default", "all-sparse", "live-tiles"])
 def test_prefill_in_chunks_through_the_engine_equals_the_whole_prompt(launches, policy):
     # A long prompt fed in chunks (serve.py does this between decode steps): each chunk attends to the
     # cache before it, and the logits equal the reference's whole-prompt forward.
-    # Routed: both multi-token chunks run the prefill kernel (with EVERY_HEAD as dense, the pruned heads then
-    # zeroed). Dense: the first runs SDPA (is_causal), the later one the kernel with every head on
-    # (Policy.dense_chunk_attention), or SDPA with mask rows.
-    every = policy is EVERY_HEAD
+    # Routed: both multi-token chunks run the prefill kernel over their live tiles, or (by default, short chunks)
+    # attention as dense runs it, the pruned heads then zeroed. Dense: the first runs SDPA (is_causal), the later
+    # one the kernel with every head on (Policy.dense_chunk_attention), or SDPA with mask rows.
+    every = policy.live_attention_min_tokens > 13
     for routers, chunk_attention, kernel_chunks in ((True, "triton", 1 if every else 2), (True, "sdpa", 0 if every else 2),
                                                     (False, "triton", 1), (False, "sdpa", 0)):
         m = wide_model(routers=routers)
@@ -244,8 +246,8 @@ def test_greedy_tokens_identical_across_backends_for_prompts_of_different_length
     idx[1, 9:], idx[2, 12:] = 0, 0  # right padding
     (ref, _), (out, _) = greedy_both(m, idx, 8, lengths, policy)  # every row past one key block of 16, as above
     assert torch.equal(out, ref), f"\n{ref.tolist()}\n{out.tolist()}"
-    for name in ("layout_kernel", "attn_prefill_kernel", "attn_decode_kernel") + (
-            ("gemm_mn_kernel", "gemm_k_kernel") if policy is ALL_SPARSE else ("gemv_mn_kernel", "gemm_k_kernel")):
+    for name in ("attn_decode_kernel",) + (("layout_kernel", "attn_prefill_kernel", "gemm_mn_kernel", "gemm_k_kernel")
+                                          if policy is ALL_SPARSE else ("gemv_mn_kernel", "gemm_k_kernel")):
         assert launches.count(name) > 0, f"{name} never ran"
 
 

@@ -60,7 +60,7 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
     if "WIDE kernels" in name:
         pol = Policy(fp8_scaled_mm_min_tokens=10 ** 9)
     if "threshold" in name:  # at the default 1024 tokens the interpreter takes much longer for the same plan
-        pol = Policy(sparse_prefill_min_tokens=B * T)
+        pol = Policy(sparse_prefill_min_tokens=B * T, live_attention_min_tokens=B * T)
     e = engine.Engine(m, pol, weights)
     with torch.no_grad():
         step = run_step(e, m, B, T, start)
@@ -75,14 +75,14 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
                 "decode B8, FFN rule off": {"cublas_every_head", "cublas_masked", "cublas_masked_input", "decode_live"},
                 "decode B20, all sparse": {"layout", "tiles", "tiles_fused", "gemm_k", "decode_live"},
                 "prefill at the sorted-tile threshold": {"layout", "tiles", "tiles_fused", "prefill_live", "cublas_masked_input"},
-                "later chunk": {"layout", "prefill_live", "cublas_every_head", "cublas_masked"},
+                "later chunk": {"prefill_every_zeroed", "cublas_every_head", "cublas_masked"},
                 "dense decode B1": {"gemv_all", "gemv_fused_all", "gemm_k_all", "decode_every", "norm"},
                 "dense decode B1, cuBLAS linears": {"cublas", "decode_every", "norm"},
                 "dense later chunk": {"cublas", "prefill_every"},
                 "fp8 decode B1": {"gemv", "gemv_fused", "gemm_k"},
                 "fp8 dense decode B8": {"norm_fp8", "cublas", "decode_every"},
                 "fp8 dense decode B8, WIDE kernels": {"gemv_all", "gemv_fused_all", "gemm_k_all", "decode_every"},
-                "fp8 prefill": {"cublas_every_head", "prefill_live"}}[name]
+                "fp8 prefill": {"cublas_every_head", "sdpa_causal_zeroed"}}[name]
     assert expected <= kinds, f"{name}: {kinds}"
     if name == "decode B8":  # the FFN routers are not asked at all: no mask, no masked GEMM
         assert "cublas_masked" not in kinds and plan.layers[0]["ffn_norm"].kind == "norm" and plan.shape.dense_ffn
