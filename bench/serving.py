@@ -384,9 +384,31 @@ async def stream_all(url, reqs):
         await asyncio.gather(*(one(r) for r in reqs))
 
 
+def client_process(url, specs):
+    """The clients of one rate, in a process of their own: [(prompt, max_new_tokens, arrival)] -> (their wall
+    time in s, [(t_first, t_done, completion tokens, error)] per request)."""
+    reqs = [SimpleNamespace(prompt=p, max_new_tokens=n, arrival=a, t_first=None, t_done=None, tokens=[], error=None)
+            for p, n, a in specs]
+    t = time.perf_counter()
+    asyncio.run(stream_all(url, reqs))
+    return time.perf_counter() - t, [(r.t_first, r.t_done, len(r.tokens), r.error) for r in reqs]
+
+
+def stream_from_another_process(url, reqs):
+    """stream_all in a process of its own, as real clients are: a load generator in the server's interpreter
+    would take the GIL from the HTTP front and the engine loop it measures. Fills each request's client-side
+    times and tokens; returns the clients' wall time (s), from their first send schedule to the last event."""
+    import multiprocessing
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # spawn: no copy of this process's CUDA state
+        wall, seen = pool.apply(client_process, (url, [(r.prompt, r.max_new_tokens, r.arrival) for r in reqs]))
+    for r, (t_first, t_done, n, error) in zip(reqs, seen):
+        r.t_first, r.t_done, r.tokens, r.error = t_first, t_done, [0] * n, error
+    return wall
+
+
 def serve_http(server, w, name, skip, rate, log):
     """One rate through serve.py's HTTP front (make_app on uvicorn, on a thread; the Server on its own, Loop),
-    each request a streaming client: the row as the clients measured it."""
+    each request a streaming client in another process: the row as the clients measured it."""
     import uvicorn
     loop = Loop(server)
     loop.thread.start()
@@ -402,9 +424,8 @@ def serve_http(server, w, name, skip, rate, log):
             time.sleep(0.01)
         server.steps, server.busy, server.done, server.marks = 0, [], [], []
         reqs = draw_requests(w, rate, w.seed, server.model.config.vocab_size)
-        t = time.perf_counter()
-        asyncio.run(stream_all(f"http://127.0.0.1:{port}/v1/completions", reqs))
-        row = dict(rate=rate, profile=name + HTTP, skip=skip, **summarize(reqs, server, time.perf_counter() - t))
+        wall = stream_from_another_process(f"http://127.0.0.1:{port}/v1/completions", reqs)
+        row = dict(rate=rate, profile=name + HTTP, skip=skip, **summarize(reqs, server, wall))
     finally:
         front.should_exit = True
         thread.join()
@@ -554,7 +575,7 @@ def main(argv=None):
     p.add_argument("--runs", type=cli.integer(1, 8), default=1, help="serve every profile this many times, each "
                    "time on a fresh server, the order reversed every other run (the rows: run 1, 2, ...; default 1)")
     p.add_argument("--http", action="store_true", help="also serve each rate through serve.py's HTTP front, each "
-                   "request a streaming client (rows '<profile>, HTTP front')")
+                   "request a streaming client, the clients in a process of their own (rows '<profile>, HTTP front')")
     p.add_argument("--redraw", metavar="JSON", default=None, help="measure nothing: rewrite the .md and .png of an "
                    "earlier run from its .json (e.g. after python eval.py --serving-only wrote new perplexities)")
     args = p.parse_args(argv)  # every flag checked here, before the device check: the same error on any machine

@@ -211,7 +211,10 @@ def test_smoke_run_serves_through_the_slots_asked_for_and_records_them(tmp_path)
 
 @pytest.mark.skipif(not kernels_base.INTERPRET, reason="--smoke runs the kernels in the Triton interpreter (the CPU test "
                     "setup); on a GPU `python -m bench.serving --http` is the real run")
-def test_smoke_run_through_the_http_front_serves_the_same_tokens_as_the_loop(tmp_path):
+def test_smoke_run_through_the_http_front_serves_the_same_tokens_as_the_loop(tmp_path, monkeypatch):
+    def in_this_process(*args):
+        raise AssertionError("the clients ran in the server's interpreter")
+    monkeypatch.setattr(serving, "stream_all", in_this_process)  # a spawned client process imports its own
     rec = serving.main(["--smoke", "--slots", "2", "--rates", "inf", "--output", "3,3", "--profiles", "0.5/0.5",
                         "--requests", "2", "--http", "--out", str(tmp_path / "serving")])
     assert [r["profile"] for r in rec["rows"]] == ["dense", "dense, HTTP front", "WIDE 50/50",
