@@ -313,8 +313,7 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
         _norm_route_finish_kernel[(n_tiles, S + 1)](
             h if residual is not None else x2, y, norm.weight, norm.eps, down.bias, up.weight, up.bias, part_ss,
             part_z, keep, keepf, M, D, R, G, S, BT=BT, BK=cfg["FINISH_BK"], DS=DS, RP=RP,
-            BG=max(16, triton.next_power_of_2(G)), SC=min(8, triton.next_power_of_2(S)), PREC=prec,
-            num_warps=cfg["finish_warps"], **pdl_args(x.device))
+            BG=max(16, triton.next_power_of_2(G)), PREC=prec, num_warps=cfg["finish_warps"], **pdl_args(x.device))
         normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
         return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), None
     z = empty((M, R), torch.float32, x.device)  # the first Linear's outputs, handed to each tile's last program
@@ -468,26 +467,24 @@ def _norm_route_part_kernel(x, res, h_out, wd, part_ss, part_z, M, D, R, HAS_RES
 @triton.jit(do_not_specialize=["M"])  # chunk lengths: see engine.warm_chunks
 def _norm_route_finish_kernel(h, y, nw, eps, bd, wu, bu, part_ss, part_z, keep, keepf, M, D, R, G, S,
                               BT: tl.constexpr, BK: tl.constexpr, DS: tl.constexpr, RP: tl.constexpr,
-                              BG: tl.constexpr, SC: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+                              BG: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     """A prefill chunk's norm + router, second half. Grid (cdiv(M, BT), S + 1) for the first half's S slices.
 
-    Program (tile, s < S) adds its tokens' S partial sums of squares up and writes RMSNorm(h) for D-slice s
-    (h as the first half wrote it, or x without a residual; rounded as the norm kernel does). Program (tile, S)
-    adds the partial first Linear up, adds its bias, and applies the second Linear and wide.Router's rule (skip
-    iff z_skip > z_exec; a tie executes) to the tile: a program of its own, so the rule's dependent loads and
-    dots run beside the slices' write-out, not after one of them. The partial sums come SC slices per load: a
-    load per slice in turn was a chain of dependent latencies as long as the slices are many. Deterministic:
-    fixed-order sums, no atomics, every output written by one program. Skips nothing. Twin: norm_route_ref."""
+    Program (tile, s < S) adds its tokens' S partial sums of squares up in slice order and writes RMSNorm(h)
+    for D-slice s (h as the first half wrote it, or x without a residual; rounded as the norm kernel does).
+    Program (tile, S) adds the partial first Linear up in slice order, adds its bias, and applies the second
+    Linear and wide.Router's rule (skip iff z_skip > z_exec; a tie executes) to the tile: a program of its
+    own, so the rule's dependent loads and dots run beside the slices' write-out, not after one of them.
+    Deterministic: fixed-order sums, no atomics, every output written by one program. Skips nothing.
+    Twin: norm_route_ref."""
     tile, s = tl.program_id(0), tl.program_id(1)
     t = tile * BT + tl.arange(0, BT)
     tok = t < M
-    sc = tl.arange(0, SC)
     prior_done(PDL)
     if s < S:
         ss = tl.zeros([BT], tl.float32)
-        for i in range(0, S, SC):
-            ss += tl.sum(tl.load(part_ss + (i + sc)[:, None] * M + t[None, :],
-                                 mask=(i + sc < S)[:, None] & tok[None, :], other=0.0), 0)
+        for i in range(0, S):
+            ss += tl.load(part_ss + i * M + t, mask=tok, other=0.0)
         inv = tl.rsqrt(ss / D + eps)
         kk = tl.arange(0, BK)
         for k0 in range(s * DS, s * DS + DS, BK):
@@ -500,9 +497,8 @@ def _norm_route_finish_kernel(h, y, nw, eps, bd, wu, bu, part_ss, part_z, keep, 
         rr = tl.arange(0, RP)
         g = tl.arange(0, BG)
         z = tl.zeros([BT, RP], tl.float32)
-        for i in range(0, S, SC):
-            part = part_z + (((i + sc) * M)[:, None, None] + t[None, :, None]) * RP + rr[None, None, :]
-            z += tl.sum(tl.load(part, mask=(i + sc < S)[:, None, None] & tok[None, :, None], other=0.0), 0)
+        for i in range(0, S):
+            z += tl.load(part_z + (i * M + t)[:, None] * RP + rr[None, :], mask=tok[:, None], other=0.0)
         z += tl.load(bd + rr, mask=rr < R, other=0.0)[None, :]
         wm = (g < G)[:, None] & (rr < R)[None, :]
         w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
