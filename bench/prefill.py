@@ -12,7 +12,8 @@ The profiles: dense (the routers removed, the engine's dense path at its best) a
 benchmark's two calibrations (bench/serving.py).
 
 Each row also has the op breakdown of one replay (torch.profiler, kernels assigned to the plan's ops as in
-bench/step_profile.py), so a length where WIDE loses says which op loses.
+bench/step_profile.py): each op's kernel time and the idle time before its kernels, so a length where WIDE loses
+says which op loses, and whether in its kernels or between them.
 """
 import argparse
 import sys
@@ -43,9 +44,10 @@ def smoke_run():
 
 @torch.no_grad()
 def time_chunk(run, e, T, start, reps=5):
-    """(eager ms, graph ms, host ms, {op: us}) of one chunk of T tokens at positions start..start+T-1 of a one-row
-    cache: eagerly, as a CUDA graph as Server.prefill runs it (engine.CUDAGraphPrefill at the bucket a chunk of T is
-    padded to; the op breakdown is of that replay), and the host's time to issue the eager chunk's launches alone."""
+    """(eager ms, graph ms, host ms, {op: us}, {op: gap us}) of one chunk of T tokens at positions start..start+T-1
+    of a one-row cache: eagerly, as a CUDA graph as Server.prefill runs it (engine.CUDAGraphPrefill at the bucket a
+    chunk of T is padded to; the op breakdown is of that replay: each op's kernel time, and the idle time before
+    its kernels), and the host's time to issue the eager chunk's launches alone."""
     idx = torch.randint(0, e.config.vocab_size, (1, T), device=run.device)
     pos = torch.arange(start, start + T, device=run.device)
     last = torch.tensor([T - 1], device=run.device)
@@ -56,7 +58,7 @@ def time_chunk(run, e, T, start, reps=5):
         return times[len(times) // 2]
     eager = median(step)
     if run.smoke:  # CUDA graphs and the profiler's GPU kernels: nothing more on the CPU
-        return eager, None, None, {}
+        return eager, None, None, {}, {}
     # The host's own cost: the chunk's launches issued while a sleep kernel keeps the GPU busy, so the host
     # never waits on it (start given: no host read of input_pos).
     torch.cuda.synchronize()
@@ -74,11 +76,12 @@ def time_chunk(run, e, T, start, reps=5):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         replay(1)
         torch.cuda.synchronize()
-    ops = {}
-    for label, _, us, _ in assign_ops(kernel_events(prof), e.step_plan(bucket, False, start)):
+    ops, gaps = {}, {}
+    for label, _, us, gap in assign_ops(kernel_events(prof), e.step_plan(bucket, False, start)):
         ops[label] = round(ops.get(label, 0.0) + us, 1)
+        gaps[label] = round(gaps.get(label, 0.0) + gap, 1)
     del g
-    return eager, graph, host, ops
+    return eager, graph, host, ops, gaps
 
 
 def profile_rows(run, m, routers, name, sparsity, lengths, starts, log, policy):
@@ -91,9 +94,9 @@ def profile_rows(run, m, routers, name, sparsity, lengths, starts, log, policy):
         fill_cache(m, max(starts))
         for start in starts:
             for T in lengths:
-                eager, graph, host, ops = time_chunk(run, e, T, start)
+                eager, graph, host, ops, gaps = time_chunk(run, e, T, start)
                 rows.append(dict(profile=name, start=start, tokens=T, eager_ms=round(eager, 3),
-                                 graph_ms=graph and round(graph, 3), host_ms=host and round(host, 3), ops=ops,
+                                 graph_ms=graph and round(graph, 3), host_ms=host and round(host, 3), ops=ops, gaps=gaps,
                                  ms_per_1k=round((graph or eager) / T * 1e3, 2)))
                 log(f"{name}, start {start}, {T} tokens: {eager:.2f} ms eager, graph {graph or 0:.2f} ms, "
                     f"host {host or 0:.2f} ms")
@@ -148,6 +151,16 @@ def markdown(rec):
         for r in rows:
             out.append(f"| {r['profile']} | {r['start']} | {r['tokens']} | "
                        + " | ".join(f"{r['ops'].get(k, 0):.0f}" for k in ops) + " |")
+    if any(r.get("gaps") for r in rows):  # where a chunk's time is neither kernel: launches waiting on each other
+        out += ["", "Idle time before each op's kernels in the same replay (us, summed over the layers: the gaps "
+                "between one kernel's end and the next one's start), and the replay's kernel time and idle time in all:",
+                "", "| profile | start | tokens | " + " | ".join(ops) + " | kernels | idle |",
+                "|---|---|---|" + "---|" * (len(ops) + 2)]
+        for r in rows:
+            gaps = r.get("gaps") or {}
+            out.append(f"| {r['profile']} | {r['start']} | {r['tokens']} | "
+                       + " | ".join(f"{gaps.get(k, 0):.0f}" for k in ops)
+                       + f" | {sum(r['ops'].values()):.0f} | {sum(gaps.values()):.0f} |")
     return "\n".join(out) + "\n"
 
 

@@ -134,6 +134,19 @@ def test_prefill_chunk_bench_smoke_writes_every_length_and_start(tmp_path):
     assert "| 20 | 9 |" in md and "Slowest WIDE chunk" in md and os.path.isfile(tmp_path / "p.png")
 
 
+def test_prefill_chunk_markdown_gives_each_ops_idle_time_and_the_replays_totals():
+    from bench import prefill
+    row = lambda name, ops, gaps: dict(profile=name, start=0, tokens=100, eager_ms=9.0, graph_ms=5.0, host_ms=4.0,
+                                       ops=ops, gaps=gaps, ms_per_1k=50.0)
+    rec = dict(gpu="GPU", torch="t", triton="tr", date="d", command="c", model="m", timing="t", starts=[0],
+               lengths=[100], rows=[row("dense", {"attn_norm": 100.0, "qkv": 700.0}, {"attn_norm": 30.0, "qkv": 2.0}),
+                                    row("WIDE 50/50", {"attn_norm": 800.0, "qkv": 700.0}, {"attn_norm": 90.0, "qkv": 5.0})])
+    md = prefill.markdown(rec)
+    assert "Idle time before each op's kernels" in md
+    assert "| WIDE 50/50 | 0 | 100 | 90 | 5 | 1500 | 95 |" in md, md  # per op, then the kernels' and gaps' sums
+    assert "| dense | 0 | 100 | 30 | 2 | 800 | 32 |" in md
+
+
 def test_prefill_chunk_bench_refuses_a_bad_policy_in_one_line(capsys):
     from bench import prefill
     from conftest import assert_one_line_error, stopped
