@@ -87,12 +87,9 @@ def tune_table(s):
             v(2, 3, BT=16, BK=32, DS=128, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
             v(2, 3, BT=16, BK=32, DS=256, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
             v(2, 3, BT=16, BK=32, DS=512, FINISH_BK=256, finish_warps=4, PREC="tf32x3"),
-            # one load per program (BK = DS): no serial loop over the slice
+            # one load per program (BK = DS): no serial loop over the slice (wider slices spill registers)
             v(4, 1, BT=16, BK=128, DS=128, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
             v(4, 1, BT=16, BK=256, DS=256, FINISH_BK=256, finish_warps=4, PREC="tf32x3"),
-            v(2, 1, BT=16, BK=64, DS=64, FINISH_BK=64, finish_warps=2, PREC="tf32x3"),
-            v(8, 1, BT=16, BK=512, DS=512, FINISH_BK=512, finish_warps=8, PREC="tf32x3"),
-            v(4, 1, BT=32, BK=128, DS=128, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
             v(2, 3, BT=32, BK=32, DS=256, FINISH_BK=256, finish_warps=4, PREC="tf32x3"),
             v(4, 3, BT=64, BK=32, DS=512, FINISH_BK=256, finish_warps=8, PREC="tf32x3"),
             dict(SPLIT_TILE=16)])
