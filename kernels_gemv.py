@@ -64,24 +64,6 @@ def _gemv_dot(a, b, acc, FP8: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _dot_dtype(x, FP8: tl.constexpr):
-    # The input as the tensor cores take it next to fp8 codes (f16, as _gemv_dot says), else as it is.
-    if FP8 and x.dtype != tl.float32:
-        return x.to(tl.float16)
-    return x
-
-
-@triton.jit
-def _gemv_dot_t(b, xt, acc, FP8: tl.constexpr, IEEE: tl.constexpr):
-    # acc [BN, BT] += b [BN, BK] @ xt [BK, BT]: _gemv_dot with the weights on the left (config TC).
-    if IEEE:
-        return tl.dot(codes_f32(b, FP8), xt, acc, input_precision="ieee")
-    if FP8:
-        return tl.dot(b.to(tl.float16), _dot_dtype(xt, FP8), acc)
-    return tl.dot(b.to(xt.dtype), xt, acc)
-
-
-@triton.jit
 def _gemv_mn_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, FUSED: tl.constexpr, FP8: tl.constexpr):
     # A chunk's epilogue: fp8 scales, silu(gate) * up, the (token, group) outputs that skip set to 0.
     if FP8:  # the per-output-channel scales, in fp32
@@ -125,8 +107,7 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
                     cos, sin, slot, k_dst, v_dst, NQ, NK, T, sdb, sdh, sdt,
                     GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-                    HALF: tl.constexpr, EVICT: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr,
-                    ONE: tl.constexpr, PDL: tl.constexpr):
+                    HALF: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr):
     """Decode gemm_mn (M <= BT tokens): the weight rows of groups no token runs are never read.
 
     Grid (P,), persistent. The live chunks (BN rows of a live group) are shared out evenly, whole chunks
@@ -156,28 +137,6 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
     tl.store(lst + tl.cumsum(live, 0) - 1, gg, mask=live > 0)
     tl.store(lst + n_live + tl.cumsum(dead, 0) - 1, gg, mask=dead > 0)
     tl.debug_barrier()
-    if TC:
-        _gemv_mn_tiles(x, w, w_up, ws, wus, out, mask, lst, n_live, M, K, G, sxm, swn, som, cos, sin, slot, k_dst,
-                       v_dst, NQ, NK, T, sdb, sdh, sdt, GS, BT, BN, BK, FUSED, FP8, IEEE, HALF, STAGES, ONE)
-    else:
-        _gemv_mn_steps(x, w, w_up, ws, wus, out, mask, lst, n_live, M, K, G, sxm, swn, som, cos, sin, slot, k_dst,
-                       v_dst, NQ, NK, T, sdb, sdh, sdt, GS, BT, BN, BK, FUSED, FP8, IEEE, HALF, EVICT)
-    D = (G + GE - n_live) * (GS // BN)  # dead groups' chunks, shared out the same way: zeros only
-    for c in range(pid * D // P, (pid + 1) * D // P):
-        n = _gemv_rows(tl.load(lst + n_live + c * BN // GS), c, GS, BN, HALF)
-        tl.store(out + t[:, None] * som + n[None, :], tl.zeros([BT, BN], out.dtype.element_ty),
-                 mask=(t < M)[:, None])
-
-
-@triton.jit
-def _gemv_mn_steps(x, w, w_up, ws, wus, out, mask, lst, n_live, M, K, G, sxm, swn, som, cos, sin, slot, k_dst,
-                   v_dst, NQ, NK, T, sdb, sdh, sdt, GS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-                   HALF: tl.constexpr, EVICT: tl.constexpr):
-    # The live chunks shared out evenly, whole chunks per program, in one flat loop over (chunk, K slice)
-    # steps that loads the next step (into registers) before using this one, across chunk boundaries too.
-    pid, P = tl.program_id(0), tl.num_programs(0)
-    t = tl.arange(0, BT)
     KS = tl.cdiv(K, BK)
     C = n_live * (GS // BN)  # live chunks, shared out evenly
     begin, end = pid * C // P * KS, (pid + 1) * C // P * KS
@@ -213,46 +172,11 @@ def _gemv_mn_steps(x, w, w_up, ws, wus, out, mask, lst, n_live, M, K, G, sxm, sw
                              FUSED, FP8)
             acc = acc * 0.0
             acc_up = acc_up * 0.0
-
-
-@triton.jit
-def _gemv_mn_tiles(x, w, w_up, ws, wus, out, mask, lst, n_live, M, K, G, sxm, swn, som, cos, sin, slot, k_dst,
-                   v_dst, NQ, NK, T, sdb, sdh, sdt, GS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-                   HALF: tl.constexpr, STAGES: tl.constexpr, ONE: tl.constexpr):
-    # Config TC: the weights as the tensor cores' left operand, the step's tokens (zero-padded to BT = 16) as
-    # the right one, so a chunk is one small matmul [BN, K] x [K, BT] whose K loop the compiler pipelines:
-    # STAGES - 1 weight tiles in flight per program, in shared memory rather than in registers, and no
-    # per-code multiply-add on the CUDA cores (fp8 codes: one conversion per two codes, to f16). Live chunks
-    # are dealt round robin, a whole K reduction each.
-    pid, P = tl.program_id(0), tl.num_programs(0)
-    t = tl.arange(0, BT)
-    for c in range(pid, n_live * (GS // BN), P):
-        g = tl.load(lst + c * BN // GS + tl.zeros([BN], tl.int32))  # [BN], all equal
-        n = _gemv_rows(g, c, GS, BN, HALF)
-        acc = tl.zeros([BN, BT], tl.float32)
-        acc_up = tl.zeros([BN, BT], tl.float32)
-        for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            kk = k0 + tl.arange(0, BK)
-            kok = kk < K
-            if ONE:  # one token: its K slice alone loaded (and converted), the tile's other 15 columns zeros
-                x1 = tl.load(x + kk, mask=kok, other=0.0)
-                xt = tl.where(t[None, :] == 0, _dot_dtype(x1, FP8)[:, None], 0.0).to(_dot_dtype(x1, FP8).dtype)
-            else:
-                xt = tl.load(x + t[None, :] * sxm + kk[:, None], mask=(t < M)[None, :] & kok[:, None], other=0.0)
-            b = tl.load(w + n[:, None] * swn + kk[None, :], mask=kok[None, :], other=0.0)
-            acc = _gemv_dot_t(b, xt, acc, FP8, IEEE)
-            if FUSED:
-                bu = tl.load(w_up + n[:, None] * swn + kk[None, :], mask=kok[None, :], other=0.0)
-                acc_up = _gemv_dot_t(bu, xt, acc_up, FP8, IEEE)
-        res = tl.trans(acc)  # [BT, BN]
-        if HALF > 0:
-            if FP8:
-                res = res * tl.load(ws + n)[None, :]
-            _gemv_qkv_out(out, k_dst, v_dst, cos, sin, slot, mask, res, t, g, n, M, G, NQ, NK, T, sdb, sdh, sdt,
-                          BT, BN, HALF)
-        else:
-            _gemv_mn_out(out, ws, wus, mask, res, tl.trans(acc_up), t, g, n, M, G, som, FUSED, FP8)
+    D = (G + GE - n_live) * (GS // BN)  # dead groups' chunks, shared out the same way: zeros only
+    for c in range(pid * D // P, (pid + 1) * D // P):
+        n = _gemv_rows(tl.load(lst + n_live + c * BN // GS), c, GS, BN, HALF)
+        tl.store(out + t[:, None] * som + n[None, :], tl.zeros([BT, BN], out.dtype.element_ty),
+                 mask=(t < M)[:, None])
 
 
 class Rope(NamedTuple):
@@ -282,9 +206,7 @@ def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope
     # One token: fp32 multiply-adds on the weights alone, or (config DOT) the same 16-row tensor-core tile as
     # more tokens, which takes the per-code conversions and products off the FMA pipes at the price of
     # 15 rows of padding in the input tile.
-    # Config TC: the weights on the left of that tile instead, in a K loop the compiler pipelines (_gemv_mn_tiles).
-    tc = bool(cfg.get("TC"))
-    BT = 1 if M == 1 and not cfg.get("DOT") and not tc else GEMV_MAX_TOKENS
+    BT = 1 if M == 1 and not cfg.get("DOT") else GEMV_MAX_TOKENS
     live_list = empty((P, GP), torch.int32, x.device)  # each program's list of the live groups
     half, kc, vc, d = 0, x, x, 0
     if rope is not None:
@@ -301,8 +223,6 @@ def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope
                           rope.tokens_per_row if rope else 1, kc.stride(0), kc.stride(1) if rope else 0,
                           kc.stride(2) if rope else 0, GS=group_size, GP=GP,
                           BT=BT, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8, IEEE=x.dtype == torch.float32,
-                          HALF=half, EVICT=cfg.get("evict", ""), TC=tc, STAGES=cfg.get("STAGES", 1),
-                          ONE=M == 1 and cfg.get("X1", True),
-                          **launch_args(cfg),
+                          HALF=half, EVICT=cfg.get("evict", ""), **launch_args(cfg),
                           **pdl_args(x.device))
     return out

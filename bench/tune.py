@@ -29,15 +29,11 @@ def tune_table(s):
     # gemm_k at one token as a one-row FMA tile (config FMA; BM then applies from 2 tokens on)
     fma = [v(4, 3, BM=16, BN=16, BK=128, SPLIT=4, FMA=True), v(4, 3, BM=16, BN=8, BK=128, SPLIT=8, FMA=True),
            v(8, 3, BM=16, BN=32, BK=128, SPLIT=4, FMA=True)]
-    # Config TC: the weights on the left of the tensor-core tile, a K loop per chunk that the compiler pipelines
-    # (STAGES); X1 False loads the one token's input as a 16-column tile instead of one column
-    tc = lambda *shapes: [v(warps, 1, BN=bn, BK=bk, STAGES=st, programs_per_sm=pps, TC=True)
-                          for bn, bk, st, warps, pps in shapes]
-    tc_fused = tc((16, 256, 4, 4, 3), (16, 128, 6, 4, 4), (32, 256, 4, 4, 2), (32, 128, 4, 4, 3), (64, 128, 4, 4, 2),
-                  (64, 256, 3, 4, 1), (128, 128, 3, 8, 1)) + [v(4, 1, BN=32, BK=256, STAGES=4, programs_per_sm=2,
-                                                               TC=True, X1=False)]
-    tc_one = tc((16, 256, 4, 4, 4), (16, 512, 3, 4, 3), (32, 256, 4, 4, 3), (64, 128, 4, 4, 3), (64, 256, 4, 4, 2),
-                (128, 128, 4, 8, 1))
+    # One token on the 16-row tensor-core tile (config DOT): the codes as f16, the products on tensor cores
+    dot = [v(4, 1, BN=16, BK=256, programs_per_sm=2, DOT=True), v(4, 1, BN=32, BK=256, programs_per_sm=2, DOT=True),
+           v(4, 1, BN=16, BK=512, programs_per_sm=2, DOT=True), v(4, 1, BN=64, BK=128, programs_per_sm=2, DOT=True),
+           v(8, 1, BN=32, BK=512, programs_per_sm=1, DOT=True), v(4, 1, BN=16, BK=256, programs_per_sm=4, DOT=True),
+           v(4, 3, BN=32, BK=256, programs_per_sm=2, DOT=True), v(8, 1, BN=64, BK=256, programs_per_sm=1, DOT=True)]
     # PREFETCH: the current config with the first live slice's weights loaded before the PDL wait
     pre = lambda key: dict(kernels_base.CONFIGS[key], PREFETCH=True)
     return {
@@ -47,12 +43,12 @@ def tune_table(s):
                                                          v(4, 1, BN=4, BK=1024, programs_per_sm=3),
                                                          v(4, 1, BN=4, BK=2048, programs_per_sm=2),
                                                          v(4, 1, BN=2, BK=2048, programs_per_sm=8),
-                                                         v(4, 1, BN=8, BK=1024, programs_per_sm=4), *tc_fused]),
+                                                         v(4, 1, BN=8, BK=1024, programs_per_sm=4)]),
         "gemm_k": (lambda: case_k(s, M, FFN, s.ffn_gs, "down"), [v(8, 4, BM=128, BN=128, BK=64)]),
         "gemv_mn_1": (lambda: case_q(s, 1, True), [v(4, 1, BN=4, BK=1024, programs_per_sm=4),
                                                    v(4, 1, BN=4, BK=2048, programs_per_sm=2),
                                                    v(4, 1, BN=2, BK=2048, programs_per_sm=4),
-                                                   v(4, 1, BN=8, BK=1024, programs_per_sm=2), *tc_one]),
+                                                   v(4, 1, BN=8, BK=1024, programs_per_sm=2)]),
         "gemm_k_small_long_k": (lambda: case_k(s, 1, FFN, s.ffn_gs, "down"), [
             v(4, 6, BM=16, BN=64, BK=128, SPLIT=8), v(4, 4, BM=16, BN=128, BK=128, SPLIT=8),
             v(4, 6, BM=16, BN=64, BK=64, SPLIT=8), v(4, 6, BM=16, BN=128, BK=128, SPLIT=4), *fma,
@@ -67,10 +63,10 @@ def tune_table(s):
             v(4, 1, BN=8, BK=1024, programs_per_sm=2), v(4, 1, BN=2, BK=4096, programs_per_sm=2),
             v(4, 1, BN=4, BK=2048, programs_per_sm=4), v(4, 1, BN=16, BK=1024, programs_per_sm=2),
             v(8, 1, BN=8, BK=2048, programs_per_sm=2), v(4, 1, BN=8, BK=1024, programs_per_sm=3),
-            v(8, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=512, programs_per_sm=4), *tc_fused]),
+            v(8, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=512, programs_per_sm=4), *dot]),
         "gemv_mn_1_fp8": (lambda: case_q(s, 1, True, fp8=True), [
             v(8, 1, BN=8, BK=2048, programs_per_sm=2), v(4, 1, BN=4, BK=1024, programs_per_sm=4),
-            v(4, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=1024, programs_per_sm=3), *tc_one]),
+            v(4, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=1024, programs_per_sm=3), *dot]),
         # F16 (gemm_k's tensor-core tile on fp8 codes): 0 codes -> bf16, 1 codes -> f16 -> bf16 (the default),
         # 2 codes and activations as f16
         "gemm_k_small_long_k_fp8": (lambda: case_k(s, 1, FFN, s.ffn_gs, "down", fp8=True), [

@@ -139,16 +139,15 @@ def test_decode_gemm_mn_computes_a_dense_tail_after_the_routed_groups(M, p_on):
     assert (out[:, :48][~mask.repeat_interleave(16, 1)] == 0).all()
 
 
-@pytest.mark.parametrize("tile", ["fma", "dot", "tc"])
+@pytest.mark.parametrize("dot", [False, True], ids=["fma", "dot"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "gate+up"])
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("per_sm", [1, 5])  # 2 or 10 programs (two "SMs" under the interpreter)
 def test_decode_gemv_shares_the_live_chunks_over_any_number_of_programs_and_matches_twin(launches, per_sm, M, fused,
-                                                                                       fp8, tile):
+                                                                                       fp8, dot):
     # The programs share the live chunks out, whole chunks each (some get none when there are more programs
-    # than chunks). dot: one token on the 16-row tensor-core tile (config DOT; more tokens always take it);
-    # tc: the weights on that tile's left, a K loop per chunk (config TC), at any token count.
+    # than chunks). dot: one token on the 16-row tensor-core tile (config DOT; more tokens always take it).
     gen = torch.Generator().manual_seed(30 + per_sm + M)
     G, GS, K, tail = 5, 16, 80, 16  # K = 80 in slices of 32: three steps per chunk, the last one short
     x = randn(M, K, gen=gen)
@@ -161,13 +160,11 @@ def test_decode_gemv_shares_the_live_chunks_over_any_number_of_programs_and_matc
         w, ws = kernels.quantize_fp8(w)
         w_up, wus = kernels.quantize_fp8(w_up) if fused else (None, None)
     out = kernels.gemm_mn(x, w, mask, GS, w_up=w_up, dense_tail=tail, w_scale=ws, w_up_scale=wus,
-                          config=dict(programs_per_sm=per_sm, BN=16 if tile == "tc" else 8, BK=32,
-                                      DOT=tile == "dot", TC=tile == "tc", STAGES=3))
+                          config=dict(programs_per_sm=per_sm, BN=8, BK=32, DOT=dot))
     assert_close(out, kernels.gemm_mn_ref(x, w, mask, GS, w_up=w_up, dense_tail=tail, w_scale=ws, w_up_scale=wus))
-    constants = launches.constants["gemv_mn_kernel"][0]
-    want = 1 if M == 1 and tile == "fma" else policy.GEMV_MAX_TOKENS
-    assert constants["BT"] == want, "one token: FMAs, unless DOT or TC takes the 16-row tile"
-    assert constants["TC"] == (tile == "tc")
+    tile = launches.constants["gemv_mn_kernel"][0]["BT"]
+    want = 1 if M == 1 and not dot else policy.GEMV_MAX_TOKENS
+    assert tile == want, "one token: FMAs, unless DOT takes the 16-row tile"
 
 
 @pytest.mark.parametrize("M", [1, 4])
@@ -422,11 +419,10 @@ def test_gpu_bf16_gemms(M):
 @GPU
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("shape", ["gate+up", "qkv"])
-@pytest.mark.parametrize("config", [None, dict(DOT=True, BN=32, BK=256, programs_per_sm=2),
-                                    dict(TC=True, BN=32, BK=256, STAGES=4, programs_per_sm=2)], ids=["tuned", "dot", "tc"])
+@pytest.mark.parametrize("config", [None, dict(DOT=True, BN=32, BK=256, programs_per_sm=2)], ids=["tuned", "dot"])
 def test_gpu_one_token_gemv_mn_at_full_size_matches_twin(fp8, shape, config):
     # The decode GEMV at the Llama-3.1-8B shapes (hundreds of programs); each mask twice. dot: one token on
-    # the 16-row tensor-core tile; tc: the weights on its left, the K loop pipelined.
+    # the 16-row tensor-core tile.
     torch.manual_seed(7)
     D, (N, gs, tail, fused) = 4096, {"gate+up": (14336, 128, 0, True), "qkv": (6144, 512, 2048, False)}[shape]
     x = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)

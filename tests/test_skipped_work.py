@@ -207,7 +207,7 @@ def test_gemm_mn_tiles_read_a_groups_weight_rows_once_per_live_tile_and_never_fo
     assert torch.equal(rec.reads("_gemm_mn_kernel", "x"), mask.sum(1)[:, None].expand(-1, K).long())
 
 
-@pytest.mark.parametrize("runs", ["default", "many programs", "dot", "tc"])  # 10 programs, some with no chunk
+@pytest.mark.parametrize("runs", ["default", "many programs", "dot"])  # 10 programs, some with no chunk
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("kind", KINDS)
@@ -219,8 +219,7 @@ def test_decode_gemv_never_reads_the_rows_of_a_dead_group(kind, M, fmt, runs):
     K, G = 64, 6
     mask = step_mask(kind, M, G)
     w, ws = weight(fmt, G * GS, K)
-    cfg = {"default": None, "many programs": dict(programs_per_sm=5, BN=4, BK=32), "dot": dict(DOT=True),
-           "tc": dict(TC=True, BN=16, BK=32, STAGES=3)}[runs]  # tc: weights on the left, a K loop per chunk
+    cfg = {"default": None, "many programs": dict(programs_per_sm=5, BN=4, BK=32), "dot": dict(DOT=True)}[runs]
     with recorded_loads() as rec:
         kernels.gemm_mn(randn(M, K), w, mask, GS, w_scale=ws, config=cfg)
     live = mask.any(0).long()  # [G]: some token of the step runs the group
@@ -231,14 +230,12 @@ def test_decode_gemv_never_reads_the_rows_of_a_dead_group(kind, M, fmt, runs):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("M", [1, 5])
-@pytest.mark.parametrize("tc", [False, True], ids=["default", "tc"])
-def test_decode_gemv_of_gate_and_up_reads_both_weights_of_the_live_groups_only(M, fmt, tc):
+def test_decode_gemv_of_gate_and_up_reads_both_weights_of_the_live_groups_only(M, fmt):
     K, G = 32, 4
     mask = step_mask("some groups dead", M, G)
     (w, ws), (w_up, wus) = weight(fmt, G * GS, K, seed=1), weight(fmt, G * GS, K, seed=2)
     with recorded_loads() as rec:
-        kernels.gemm_mn(randn(M, K), w, mask, GS, w_up=w_up, w_scale=ws, w_up_scale=wus,
-                        config=dict(TC=True, BN=16, BK=16, STAGES=2) if tc else None)
+        kernels.gemm_mn(randn(M, K), w, mask, GS, w_up=w_up, w_scale=ws, w_up_scale=wus)
     expected = per_row(mask.any(0).long(), K)
     assert torch.equal(rec.reads("_gemv_mn_kernel", "w"), expected)
     assert torch.equal(rec.reads("_gemv_mn_kernel", "w_up"), expected)
