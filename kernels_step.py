@@ -8,6 +8,8 @@ The small fused kernels of an inference step (engine.py), each after its PyTorch
   swiglu_rows     silu(gate) * up of a library GEMM's output, the pruned channel groups' zeros in the same launch
   quantize_rows   a linear's input as fp8 rows (per-token e4m3 codes and scale) for kernels.scaled_mm; the
                   SwiGLU product and the pruned channel groups' zeros in the same launch
+  warm_l2         asks L2 for the next op's weights (K and V's rows, O's live columns) and returns at once, so
+                  they arrive while a latency-bound op (the norm + router, decode attention) runs
 
 They skip nothing; they exist so that a decode step is a short list of launches that a CUDA graph
 replays. Same contract as kernels.py: Triton on a GPU or under TRITON_INTERPRET=1, or a clear error.
