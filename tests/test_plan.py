@@ -322,3 +322,16 @@ def test_the_engine_follows_the_vote_rule_and_its_kernels_skip_what_the_vote_dro
     for a, b in zip(got["ffn"], want_masks["ffn"]):
         assert torch.equal(a.float(), b.float())
     assert "the vote rule" in plan.text()
+
+
+@pytest.mark.parametrize("routers, weights", [(True, "bf16"), (False, "bf16"), (True, "fp8")],
+                         ids=["wide", "dense", "wide fp8"])
+def test_asking_l2_for_the_next_weights_changes_no_result(routers, weights):
+    # warm_l2 only asks L2 for bytes (the interpreter reads them): a decode step with it gives the same logits,
+    # bit for bit, as one without (on a GPU this also runs the asks themselves).
+    m = wide_model(routers=routers)
+    with torch.no_grad():
+        plain = decode_step_logits(engine.Engine(m, None, weights), 1, seed=3)
+        warm = decode_step_logits(engine.Engine(m, Policy(warm_l2_max_tokens=policy.NORM_ROUTE_TILE), weights), 1,
+                                  seed=3)
+    assert torch.equal(plain, warm)
