@@ -555,6 +555,7 @@ def warm_l2(w, rows=None, live=None, group_size=0, max_bytes=None):
     whole, or, with live (a router's live list, int32 [1 + G]), every row's columns of the live groups
     (group_size each), so a skipped group's bytes are never asked for. max_bytes caps the rows asked for."""
     check_device(w)
+    assert (live is None) == (group_size == 0), "the live groups' columns need the live list and the group size"
     N, K = w.shape
     first, R = rows if rows is not None else (0, N)
     row_bytes = (K if live is None else (live.numel() - 1) * group_size) * w.element_size()
