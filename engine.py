@@ -27,7 +27,7 @@ import kernels_gemv
 from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
-from kernels_step import norm_route, quantize_rows, quantize_rows_ref, rms_norm, rope_and_store, swiglu_rows, warm_l2
+from kernels_step import norm_route, quantize_rows, quantize_rows_ref, rms_norm, rope_and_store, swiglu_rows
 from policy import GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE, Plan, Policy, Shape
 from wide import shared_by_vote
 
@@ -160,9 +160,6 @@ class Engine:
         # gemm_k's split, decode attention's merge); kernels on one stream run one after another, so one
         # buffer serves them all.
         self.tickets = torch.zeros(4096, dtype=torch.int32, device=device)
-        # warm_l2 asks for at most half the L2: what the op waits on must not push its own data out
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 2 ** 25
-        self.warm_bytes = l2 // 2
         self.plans = {}  # (Shape, routers) -> Plan: a step's plan is computed once per shape
         self.constant_masks = {}  # (M, G) -> an all-True mask, for the dense model's ops through WIDE's kernels
 
@@ -251,9 +248,6 @@ class Engine:
         down projection left the add to this layer) -> the next layer's (x, delta). Each sublayer starts with
         one kernel that does the residual add, the RMSNorm and the router (norm_route), so a step has no
         separate launches for them."""
-        if "warm_qkv" in ops:  # K and V's rows of the fused weight (never pruned), asked for before the norm
-            w, nq = self.linear_weights(layer, "qkv", ops["qkv"])[0], layer.self_attn.q_proj.out_features
-            warm_l2(w, rows=(nq, w.shape[0] - nq), max_bytes=self.warm_bytes)
         if delta is None:
             n, head_mask, head_live = self.norm_route(ops["attn_norm"], x, layer.input_layernorm, layer.attn_router,
                                                       masks, "attn")
@@ -361,9 +355,6 @@ class Engine:
                 q, kv = qkv[:, :nq], qkv[:, nq:]
             k, v = kv[:, :Hkv * d], kv[:, Hkv * d:]
             q = rope_and_store(q, k, v, step, kc, vc, H, Hkv, d).view(B, T, H, d).transpose(1, 2)
-        if "warm_o" in ops:  # O's columns of the live groups (every column for the dense model), before attention
-            wo = self.linear_weights(layer, "o", ops["o"])[0]
-            warm_l2(wo, max_bytes=self.warm_bytes) if head_mask is None else warm_l2(wo, live=head_live, group_size=gs)
         kind, S = ops["attention"].kind, step.start  # a prefill chunk at `start` sees the start + T keys before it
         zeroed = kind.endswith("_zeroed")  # every head runs, then the pruned heads' outputs are set to 0
         kind = kind.removesuffix("_zeroed")

@@ -8,8 +8,6 @@ The small fused kernels of an inference step (engine.py), each after its PyTorch
   swiglu_rows     silu(gate) * up of a library GEMM's output, the pruned channel groups' zeros in the same launch
   quantize_rows   a linear's input as fp8 rows (per-token e4m3 codes and scale) for kernels.scaled_mm; the
                   SwiGLU product and the pruned channel groups' zeros in the same launch
-  warm_l2         asks L2 for the next op's weights (K and V's rows, O's live columns) and returns at once, so
-                  they arrive while a latency-bound op (the norm + router, decode attention) runs
 
 They skip nothing; they exist so that a decode step is a short list of launches that a CUDA graph
 replays. Same contract as kernels.py: Triton on a GPU or under TRITON_INTERPRET=1, or a clear error.
@@ -513,56 +511,3 @@ def _norm_route_finish_kernel(h, y, nw, eps, bd, wu, bu, part_ss, part_z, keep, 
         km = tok[:, None] & (g < G)[None, :]
         tl.store(keep + t[:, None] * G + g[None, :], run.to(tl.uint8), mask=km)
         tl.store(keepf + t[:, None] * G + g[None, :], run.to(tl.float32), mask=km)
-
-
-# ---------------------------------------------------------------------------------------------
-# warm_l2: the next op's weights asked into L2 while a latency-bound op runs
-# ---------------------------------------------------------------------------------------------
-@triton.jit
-def _ask_l2(ptrs, n, ok, EB: tl.constexpr, SIM: tl.constexpr, SIM_BK: tl.constexpr):
-    # Ask L2 for the n elements (EB bytes each) at each of ptrs where ok: fire and forget, nothing comes back to
-    # the program, so it exits at once while the fills go on. The interpreter (SIM) loads them instead, so the
-    # load recorder sees exactly the bytes an ask touches.
-    if SIM:
-        kk = tl.arange(0, SIM_BK)
-        for k0 in range(0, n, SIM_BK):
-            tl.load(ptrs[:, None] + k0 + kk[None, :], mask=ok[:, None] & (k0 + kk < n)[None, :])
-    else:
-        tl.inline_asm_elementwise(
-            "{\n .reg .pred p;\n setp.ne.s32 p, $3, 0;\n @p cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.b32 $0, 0;\n}",
-            "=r,l,r,r", [ptrs.to(tl.int64, bitcast=True), n * EB + ok.to(tl.int32) * 0, ok.to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _warm_l2_kernel(w, live, r0, R, n, sw, GS, LANES: tl.constexpr, GROUPS: tl.constexpr, EB: tl.constexpr,
-                    SIM: tl.constexpr, SIM_BK: tl.constexpr, PDL: tl.constexpr):
-    """Rows r0..r0+R-1 of w, LANES rows per program, one ask per row: n elements each, or (GROUPS) the GS columns
-    of each group on the live list (count, then the groups; the router's, two or more launches back)."""
-    prior_done(PDL)
-    r = r0 + tl.program_id(0) * LANES + tl.arange(0, LANES)
-    ok = r < r0 + R
-    row = w + r.to(tl.int64) * sw
-    if GROUPS:
-        for i in range(0, tl.load(live)):
-            _ask_l2(row + tl.load(live + 1 + i) * GS, GS, ok, EB, SIM, SIM_BK)
-    else:
-        _ask_l2(row, n, ok, EB, SIM, SIM_BK)
-
-
-def warm_l2(w, rows=None, live=None, group_size=0, max_bytes=None):
-    """Ask L2 for part of weight w [N, K] (bf16 or fp8 codes) and return at once: rows (first, count) of it
-    whole, or, with live (a router's live list, int32 [1 + G]), every row's columns of the live groups
-    (group_size each), so a skipped group's bytes are never asked for. max_bytes caps the rows asked for."""
-    check_device(w)
-    assert (live is None) == (group_size == 0), "the live groups' columns need the live list and the group size"
-    N, K = w.shape
-    first, R = rows if rows is not None else (0, N)
-    row_bytes = (K if live is None else (live.numel() - 1) * group_size) * w.element_size()
-    if max_bytes is not None:
-        R = min(R, max(1, max_bytes // row_bytes))
-    assert w.stride(1) == 1 and (K * w.element_size()) % 16 == 0, "asks are whole 16-byte runs of contiguous rows"
-    LANES = 128
-    _warm_l2_kernel[(triton.cdiv(R, LANES),)](
-        w, live if live is not None else w, first, R, K, w.stride(0), group_size, LANES=LANES,
-        GROUPS=live is not None, EB=w.element_size(), SIM=INTERPRET, SIM_BK=64, num_warps=4, **pdl_args(w.device))

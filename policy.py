@@ -80,15 +80,12 @@ KINDS = {
               "the epilogue",
     "gemm_k_all": "gemm_k with every group live (the dense model through WIDE's kernel), residual fused",
     "embed": "embedding lookup",
-    "warm_l2": "asks L2 for the next op's weights and returns at once, so they arrive while a latency-bound op runs "
-               "(warm_l2; a skipped group's bytes are never asked for)",
 }
 
 # The order ops run in (and are printed in); `step_*` ops run once per step, the others once per layer.
-LAYER_OPS = ("warm_qkv", "attn_norm", "attn_layout", "qkv", "rope", "warm_o", "attention", "o",
+LAYER_OPS = ("attn_norm", "attn_layout", "qkv", "rope", "attention", "o",
              "ffn_norm", "ffn_layout", "gate_up", "down")
-NAMES = {"warm_qkv": "K, V rows to L2", "warm_o": "O columns to L2",
-         "attn_norm": "attention norm", "attn_layout": "attention layout", "qkv": "Q, K, V",
+NAMES = {"attn_norm": "attention norm", "attn_layout": "attention layout", "qkv": "Q, K, V",
          "rope": "RoPE + cache", "attention": "attention", "o": "O proj", "ffn_norm": "FFN norm",
          "ffn_layout": "FFN layout", "gate_up": "gate + up", "down": "down proj",
          "step_embed": "embedding", "step_every_head": "every-head layout", "step_norm": "final norm",
@@ -111,10 +108,6 @@ class Policy:
     # and gemm_k with every group live, as fp8 weights always do; 0 = cuBLAS. On the H200 that is the faster
     # dense decode at batch 1 (bench/e2e.py times both: results/e2e_h200.md, 'cublas linears').
     dense_gemv_max_tokens: int = 1
-    # Decode steps of at most this many tokens ask L2 for the next op's weights while a latency-bound op runs
-    # (kernels_step.warm_l2: K and V's rows before the attention norm + router, O's live columns before decode
-    # attention); 0 = never.
-    warm_l2_max_tokens: int = 0
     # fp8 weights: steps of at least this many tokens run the linears no WIDE kernel reads (the dense model's,
     # and a routed linear's library paths) on fp8 tensor cores, torch._scaled_mm, with the input quantized per
     # token in the step: weights and activations in e4m3 ("fp8 x fp8"), as stock fp8 serving runs. Shorter steps
@@ -179,14 +172,6 @@ class Policy:
         ops["down"] = self.down_op(shape, ffn_router, w)
         if gate_up.kind in ("cublas", "cublas_masked") and ops["down"].weights != "fp8 x fp8":
             ops["gate_up"] = gate_up._replace(kernels=gate_up.kernels + ("swiglu_rows_kernel",))  # SwiGLU, zeros
-        if shape.decode and shape.tokens <= min(self.warm_l2_max_tokens, NORM_ROUTE_TILE):
-            # K and V's rows (never pruned) asked for while the attention norm + router runs, O's live columns
-            # (the router's live list) while decode attention does: both ops read little and wait much
-            warm = Op("warm_l2", "Triton", kernels=("warm_l2_kernel",))
-            if qkv.kind in ("gemv", "gemv_all"):
-                ops["warm_qkv"] = warm
-            if attention.kind.startswith("decode") and ops["o"].runs == "Triton" and attn_router != "other":
-                ops["warm_o"] = warm
         for norm, linear in (("attn_norm", "qkv"), ("ffn_norm", "gate_up")):
             if ops[norm].kind == "norm" and ops[linear].weights == "fp8 x fp8":  # the norm quantizes the input
                 ops[norm] = Op("norm_fp8", "Triton", kernels=("rms_norm_kernel",))

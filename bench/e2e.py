@@ -32,7 +32,7 @@ from bench.common import (COPY_GBS, SMOKE, ModelSetup, calibrate_routers, clock_
                           random_model, save, with_engine)
 from generate import generate
 from model import CheckpointError
-from policy import NORM_ROUTE_TILE, Policy
+from policy import Policy
 from wide import FFNRule, routers_off, routers_on
 
 
@@ -185,9 +185,6 @@ def decode_row(run, m, batch, context, log):
     dense_policies = {"triton": Policy(), "sdpa": Policy(dense_decode_attention="sdpa")}
     if batch <= Policy().dense_gemv_max_tokens:
         dense_policies["cublas linears"] = Policy(dense_gemv_max_tokens=0)
-    warm = Policy(warm_l2_max_tokens=NORM_ROUTE_TILE)  # the next op's weights asked into L2 (kernels_step.warm_l2)
-    if batch <= NORM_ROUTE_TILE:
-        dense_policies["warm L2"] = warm
     for name, pol in dense_policies.items():
         dense[name] = with_engine(m, False, pol, lambda e: time_decode(run, e, batch, context, steps)[0])
         log(f"  dense ({name}): {dense[name]:.3f} ms")
@@ -200,8 +197,6 @@ def decode_row(run, m, batch, context, log):
     policies = {"default": Policy()}
     if not small:
         policies["all sparse"] = Policy(sparse_decode_max_tokens=64)
-    if batch <= NORM_ROUTE_TILE:
-        policies["warm L2"] = warm
     for name, pol in policies.items():
         wide_ms[name], got = with_engine(m, True, pol, lambda e: time_decode(run, e, batch, context, steps))
         masks = masks or got
@@ -402,9 +397,7 @@ def markdown(m):
     out += ["", "Variants (ms per step): dense by policy ('triton' / 'sdpa' = the decode attention, 'cublas linears' = "
             "the linears through cuBLAS instead of WIDE's kernels with every group live, 'PDL off' = the best of those launched "
             "without programmatic dependent launch); WIDE by policy ('default' = Policy(); 'all sparse' = Q and "
-            "O through their kernels at this batch, the FFN as the batch rule says; 'PDL off' = default without it); "
-            "'warm L2', on both sides = Policy(warm_l2_max_tokens): K and V's rows asked into L2 before the attention "
-            "norm, O's live columns before attention (kernels_step.warm_l2):",
+            "O through their kernels at this batch, the FFN as the batch rule says; 'PDL off' = default without it):",
             ""]
     for r in rows:
         if "dense_ms_by_policy" in r:

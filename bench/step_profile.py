@@ -21,7 +21,7 @@ import torch
 
 import engine
 from bench.common import COPY_GBS, calibrate_routers, clock_ms, fill_cache, mask_summary, save, set_profile, with_engine
-from policy import NORM_ROUTE_TILE, Policy
+from policy import Policy
 
 # Library kernels that start an op the plan sends to cuBLAS or SDPA (the rest: casts, element-wise, reductions);
 # SDPA's fused attention is FlashAttention's, cuDNN's (named ..._flash_...) or the memory-efficient one (fmha_...)
@@ -152,8 +152,7 @@ def summarize(assigned, nbytes, step_ms):
 LABELS = {"attn_norm": "attention norm (+ router)", "attn_layout": "attention layout", "qkv": "Q, K, V",
           "rope": "RoPE + cache", "attention": "decode attention", "o": "O proj", "ffn_norm": "FFN norm (+ router)",
           "ffn_layout": "FFN layout", "gate_up": "gate + up", "down": "down proj", "embedding": "embedding",
-          "step_every_head": "every-head layout", "step_norm": "final norm", "step_head": "lm_head",
-          "warm_qkv": "K, V rows asked into L2", "warm_o": "O columns asked into L2"}
+          "step_every_head": "every-head layout", "step_norm": "final norm", "step_head": "lm_head"}
 
 
 def profile_markdown(record):
@@ -197,8 +196,7 @@ def profile_one(run, e, batch, context, replays=20):
 
 
 def profile_rows(run, m, record, out, log):
-    """The profile part of bench/e2e.py: every (batch, context, weights) of run.profile, dense and WIDE (and, at
-    batch <= NORM_ROUTE_TILE in bf16, both again asking L2 for the next weights: Policy.warm_l2_max_tokens),
+    """The profile part of bench/e2e.py: every (batch, context, weights) of run.profile, dense and WIDE,
     written to `out` (.json, .md) as it goes; returns no e2e rows. The routers end at the bench's 0.5."""
     if run.smoke:  # CUDA graphs and the profiler's GPU kernels: nothing to profile on the CPU
         log("profile: needs a CUDA GPU (graph replay under torch.profiler); skipped")
@@ -207,16 +205,12 @@ def profile_rows(run, m, record, out, log):
     rec = dict(record, steps=[])
     try:
         for batch, context, weights in run.profile:
-            profiles = [("dense", None, Policy()), ("WIDE 50/50", (0.5, 0.5), Policy())]
-            if batch >= 8:
-                profiles.append(("WIDE 75/25", (0.75, 0.25), Policy()))
-            if batch <= NORM_ROUTE_TILE and weights == "bf16":  # the next weights asked into L2 (kernels_step.warm_l2)
-                warm = Policy(warm_l2_max_tokens=NORM_ROUTE_TILE)
-                profiles += [("dense, warm L2", None, warm), ("WIDE 50/50, warm L2", (0.5, 0.5), warm)]
-            for name, sparsity, pol in profiles:
+            profiles = [("dense", None), ("WIDE 50/50", (0.5, 0.5))] + ([("WIDE 75/25", (0.75, 0.25))] if batch >= 8 else [])
+            for name, sparsity in profiles:
                 if sparsity:
                     set_profile(m, routers, *sparsity, run.calibrate_tokens)
-                s = with_engine(m, sparsity is not None, pol, lambda e: profile_one(run, e, batch, context), weights)
+                s = with_engine(m, sparsity is not None, Policy(),
+                                lambda e: profile_one(run, e, batch, context), weights)
                 rec["steps"].append(dict(s, batch=batch, context=context, weights=weights, profile=name))
                 log(f"  profile batch {batch}, context {context}, {weights}, {name}: step {s['step_us']} us, kernels "
                     f"{s['kernel_us']} us, gaps {s['gap_us']} us, {s['share_of_byte_ideal']:.0%} of byte-ideal")

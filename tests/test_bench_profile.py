@@ -36,16 +36,6 @@ def test_triton_kernels_go_to_the_op_that_launches_them_in_order():
     assert got[0][3] == 0.0 and all(g[3] == 2.0 for g in got[1:]) and all(g[2] == 8.0 for g in got)
 
 
-def test_the_asks_into_l2_are_ops_of_their_own():
-    # Policy.warm_l2_max_tokens: a warm_l2 launch before the attention norm (K and V's rows) and one before
-    # decode attention (O's live columns), each its own op in the profile, the other kernels where they were
-    plan = policy.Policy(warm_l2_max_tokens=policy.NORM_ROUTE_TILE).plan(policy.Shape(1, True), WIDE)
-    layer = ["_warm_l2_kernel"] + layer_b1()[:2] + ["_warm_l2_kernel"] + layer_b1()[2:]
-    got = bp.assign_ops(step(["embedding_kernel"] + layer * 2 + ["_rms_norm_kernel", "nvjet_head_gemm"]), plan)
-    per_layer = ["warm_qkv", "attn_norm", "qkv", "warm_o", "attention", "o", "ffn_norm", "gate_up", "down"]
-    assert [g[0] for g in got] == ["embedding"] + per_layer * 2 + ["step_norm", "step_head"]
-
-
 def test_cublas_gemms_take_the_next_cublas_op_and_small_kernels_stay_with_theirs():
     # decode B32 under the batch rule: Q/K/V, O, gate+up and down on cuBLAS; silu*up (a Triton kernel of
     # gate+up's op) and the residual add (a torch kernel) after their GEMM; a split-K reduction belongs to the

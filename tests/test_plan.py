@@ -33,9 +33,6 @@ SHAPES = {  # name -> (routers, weights, batch, tokens per row, chunk start or N
     "fp8 dense decode B8": (False, "fp8", 8, 1, None),  # _scaled_mm, the norms quantize its inputs
     "fp8 dense decode B8, WIDE kernels": (False, "fp8", 8, 1, None),  # Policy.fp8_scaled_mm_min_tokens above it
     "fp8 prefill": (True, "fp8", 2, 24, 0),
-    "decode B1, warm L2": (True, "bf16", 1, 1, None),  # Policy.warm_l2_max_tokens: K, V and O asked into L2
-    "dense decode B1, warm L2": (False, "bf16", 1, 1, None),
-    "fp8 decode B1, warm L2": (True, "fp8", 1, 1, None),
 }
 
 
@@ -62,8 +59,6 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
     pol = ALL_SPARSE if "all sparse" in name else Policy(dense_gemv_max_tokens=0) if "cuBLAS" in name else None
     if "WIDE kernels" in name:
         pol = Policy(fp8_scaled_mm_min_tokens=10 ** 9)
-    if "warm" in name:
-        pol = Policy(warm_l2_max_tokens=policy.NORM_ROUTE_TILE)
     if "threshold" in name:  # at the default 1024 tokens the interpreter takes much longer for the same plan
         pol = Policy(sparse_prefill_min_tokens=B * T, live_attention_min_tokens=B * T)
     e = engine.Engine(m, pol, weights)
@@ -87,15 +82,8 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
                 "fp8 decode B1": {"gemv", "gemv_fused", "gemm_k"},
                 "fp8 dense decode B8": {"norm_fp8", "cublas", "decode_every"},
                 "fp8 dense decode B8, WIDE kernels": {"gemv_all", "gemv_fused_all", "gemm_k_all", "decode_every"},
-                "fp8 prefill": {"cublas_every_head", "sdpa_causal_zeroed"},
-                "decode B1, warm L2": {"warm_l2", "gemv", "gemm_k", "decode_live"},
-                "dense decode B1, warm L2": {"warm_l2", "gemv_all", "gemm_k_all", "decode_every"},
-                "fp8 decode B1, warm L2": {"warm_l2", "gemv", "gemm_k"}}[name]
+                "fp8 prefill": {"cublas_every_head", "sdpa_causal_zeroed"}}[name]
     assert expected <= kinds, f"{name}: {kinds}"
-    if "warm" in name:  # both asks, in their places: K and V's rows before the norm, O's columns before attention
-        order = list(plan.layers[0])
-        assert order.index("warm_qkv") < order.index("attn_norm") and \
-            order.index("qkv") < order.index("warm_o") < order.index("attention"), order
     if name == "decode B8":  # the FFN routers are not asked at all: no mask, no masked GEMM
         assert "cublas_masked" not in kinds and plan.layers[0]["ffn_norm"].kind == "norm" and plan.shape.dense_ffn
 
@@ -322,16 +310,3 @@ def test_the_engine_follows_the_vote_rule_and_its_kernels_skip_what_the_vote_dro
     for a, b in zip(got["ffn"], want_masks["ffn"]):
         assert torch.equal(a.float(), b.float())
     assert "the vote rule" in plan.text()
-
-
-@pytest.mark.parametrize("routers, weights", [(True, "bf16"), (False, "bf16"), (True, "fp8")],
-                         ids=["wide", "dense", "wide fp8"])
-def test_asking_l2_for_the_next_weights_changes_no_result(routers, weights):
-    # warm_l2 only asks L2 for bytes (the interpreter reads them): a decode step with it gives the same logits,
-    # bit for bit, as one without (on a GPU this also runs the asks themselves).
-    m = wide_model(routers=routers)
-    with torch.no_grad():
-        plain = decode_step_logits(engine.Engine(m, None, weights), 1, seed=3)
-        warm = decode_step_logits(engine.Engine(m, Policy(warm_l2_max_tokens=policy.NORM_ROUTE_TILE), weights), 1,
-                                  seed=3)
-    assert torch.equal(plain, warm)

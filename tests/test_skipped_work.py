@@ -394,35 +394,3 @@ def test_prefill_norm_route_reads_each_row_once_and_the_routers_weights_once_per
     # first Linear by the one program that applies the rule (S = 4 slices, rank 32)
     assert torch.equal(rec.reads("_norm_route_finish_kernel", "part_ss"), torch.full((4, M), 4))
     assert torch.equal(rec.reads("_norm_route_finish_kernel", "part_z"), torch.ones(4, M, 32, dtype=torch.long))
-
-
-# ----------------------------------------------------------------------------------------------------
-# warm_l2: what it asks L2 for (the interpreter loads those bytes instead, so the recorder sees them)
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("kind", KINDS)
-def test_warm_l2_asks_for_the_live_groups_columns_only(kind, fmt):
-    # O's columns before decode attention: every row's columns of each group on the router's live list, once;
-    # a skipped group's columns never (the same bytes gemm_k then reads, and no others).
-    G, N = 5, 40  # 40 rows: one program, 88 of its 128 lanes off
-    mask = step_mask(kind, 1, G)
-    w, _ = weight(fmt, N, G * GS)
-    live_groups = torch.nonzero(mask[0]).flatten().int()
-    live = torch.cat([torch.tensor([len(live_groups)], dtype=torch.int32), live_groups,
-                      torch.nonzero(~mask[0]).flatten().int()])
-    with recorded_loads() as rec:
-        kernels_step.warm_l2(w, live=live, group_size=GS)
-    expected = mask[0].repeat_interleave(GS).long()[None, :].expand(N, -1)
-    assert torch.equal(rec.reads("_warm_l2_kernel", "w"), expected)
-
-
-@pytest.mark.parametrize("cap", [None, 3 * 64 * 4])
-def test_warm_l2_asks_for_whole_rows_in_its_range_up_to_the_cap(cap):
-    # K and V's rows of the fused QKV weight (never pruned): rows first..first+count-1 whole, no row outside;
-    # max_bytes keeps the first rows that fit (here three fp32 rows of 64).
-    w = randn(300, 64)
-    with recorded_loads() as rec:
-        kernels_step.warm_l2(w, rows=(100, 150), max_bytes=cap)
-    rows = torch.zeros(300, dtype=torch.long)
-    rows[100:100 + (150 if cap is None else 3)] = 1
-    assert torch.equal(rec.reads("_warm_l2_kernel", "w"), rows[:, None].expand(-1, 64))
