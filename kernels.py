@@ -16,6 +16,7 @@ codes, sum in fp32 and apply the channel's scale in the epilogue; the twins dequ
 skips nothing can instead run on fp8 tensor cores (`scaled_mm`: torch._scaled_mm) with its input quantized
 per token (`Fp8Rows`, made by kernels_step.quantize_rows): weights and activations in e4m3.
 """
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -47,6 +48,77 @@ def quantize_fp8(w):
 def dequantize_fp8(wq, scale, dtype=torch.float32):
     """The values an fp8 weight stands for, in `dtype`: wq * scale[:, None], rounded once."""
     return (wq.float() * scale[:, None]).to(dtype)
+
+
+@torch.no_grad()
+def gptq_fp8(w, hessian, damp=0.01, block=128):
+    """quantize_fp8 with GPTQ's rounding (Frantar et al., 2022): (codes [N, K], scale [N]), the same scales,
+    but the columns rounded one at a time, each rounding's error moved onto the columns not yet rounded as
+    the inputs correlate (hessian: E[x x^T] over inputs like the ones served, [K, K]), so that x @ w.T moves
+    least rather than each weight. A row's largest weight keeps the code +-448, so quantize_fp8 of the
+    dequantized weights gives back these codes: every fp8 path reads them as it reads any weight's."""
+    N, K = w.shape
+    _, scale = quantize_fp8(w)
+    w64, s64 = w.detach().double().clone(), scale.double()
+    top = w64.abs().argmax(dim=1)
+    top_code = torch.sign(w64.gather(1, top[:, None]))[:, 0] * FP8_MAX
+    # fp64: a pretrained model's activations span many decades (a few channels are 1000x the rest), and the
+    # factorization of their hessian fails in fp32.
+    h = hessian.detach().double().clone()
+    idle = h.diagonal() == 0  # an input that was always 0: nothing to move its weights' errors by
+    h[idle, idle] = 1.0
+    h += damp * h.diagonal().mean() * torch.eye(K, dtype=h.dtype, device=h.device)
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    codes = torch.empty(N, K, dtype=FP8, device=w.device)
+    for c0 in range(0, K, block):  # errors move within a block one column at a time, onto later blocks at once
+        c1 = min(K, c0 + block)
+        wb, err = w64[:, c0:c1], torch.empty(N, c1 - c0, dtype=w64.dtype, device=w64.device)
+        for j in range(c1 - c0):
+            c = (wb[:, j] / s64).clamp(-FP8_MAX, FP8_MAX).float().to(FP8)
+            c = torch.where(top == c0 + j, top_code.to(FP8), c)
+            codes[:, c0 + j] = c
+            err[:, j] = (wb[:, j] - c.double() * s64) / u[c0 + j, c0 + j]
+            wb[:, j:] -= err[:, j:j + 1] * u[c0 + j, c0 + j:c1]
+        w64[:, c1:] -= err @ u[c0:c1, c1:]
+    return codes, scale
+
+
+class _Reached(Exception):
+    """Stops a calibration forward once the layer being calibrated has seen its inputs."""
+
+
+@torch.no_grad()
+def calibrate_fp8(model, batches):
+    """GPTQ for the fp8 codes, in place: layer by layer, each prunable linear's weights rounded by
+    kernels.gptq_fp8 so that its outputs on these token batches ([B, T] each) move least, with the layers
+    before it already rounded. quantize_fp8 then reads GPTQ's codes wherever fp8 runs (engine.Engine, engine.fp8_model)."""
+    for layer in model.layers:
+        a, f = layer.self_attn, layer.mlp
+        sites = {a.q_proj: (a.q_proj, a.k_proj, a.v_proj), a.o_proj: (a.o_proj,),
+                 f.gate_proj: (f.gate_proj, f.up_proj), f.down_proj: (f.down_proj,)}
+        sums = {}
+
+        def take(lin, args):  # x^T x of the linear's inputs, summed in fp64
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            h, n = sums.get(lin, (0.0, 0))
+            sums[lin] = (h + x.T @ x, n + len(x))
+
+        def reached(*_):
+            raise _Reached
+
+        hooks = [lin.register_forward_pre_hook(take) for lin in sites] + [layer.register_forward_hook(reached)]
+        try:
+            for idx in batches:
+                with contextlib.suppress(_Reached):
+                    model(idx)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for site, lins in sites.items():
+            h, n = sums[site]
+            for lin in lins:
+                lin.weight.copy_(dequantize_fp8(*gptq_fp8(lin.weight, h / n), lin.weight.dtype))
+    return model
 
 
 class Fp8Rows(NamedTuple):

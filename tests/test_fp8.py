@@ -55,6 +55,81 @@ def test_quantize_fp8_round_trip_error_is_bounded_per_channel():
     assert kernels.quantize_fp8(torch.zeros(2, 16))[1].tolist() == [1.0, 1.0], "an all-zero row: scale 1"
 
 
+def correlated_inputs(n, K, gen):
+    # inputs that span few directions, of very different sizes, as a model's activations do: GPTQ moves each
+    # rounding error into the directions the inputs rarely take
+    r = K // 8
+    z = torch.randn(n, r, generator=gen) * torch.logspace(1, -1, r)
+    return z @ torch.randn(r, K, generator=gen) + 0.01 * torch.randn(n, K, generator=gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gptq_fp8_keeps_round_to_nearests_scales_and_its_codes_survive_a_round_trip(dtype):
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(48, 96, generator=gen) * torch.logspace(-2, 1, 48)[:, None]).to(dtype)
+    x = correlated_inputs(256, 96, gen)
+    codes, scale = kernels.gptq_fp8(w, x.T @ x / len(x))
+    rtn_codes, rtn_scale = kernels.quantize_fp8(w)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == w.shape and torch.equal(scale, rtn_scale)
+    assert not torch.equal(codes.view(torch.uint8), rtn_codes.view(torch.uint8)), "GPTQ rounds differently"
+    # the weights a calibrated model holds (dequantized, in its dtype) quantize back to GPTQ's codes
+    again, again_scale = kernels.quantize_fp8(kernels.dequantize_fp8(codes, scale, dtype))
+    assert torch.equal(again.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.allclose(again_scale, scale, rtol=2.0 ** -8, atol=0)
+
+
+def test_gptq_fp8_keeps_a_rows_largest_weight_at_448_where_the_moved_errors_would_lower_it():
+    # rounding 0.34 * 448 = 152.3 up to 160 moves -7.7 codes onto the next column, times 9.9 (the inputs'
+    # correlation over the second input's size): left to rounding, the row's 448 would become 384, and
+    # quantize_fp8 of the dequantized row would pick a smaller scale and other codes
+    w = torch.tensor([[0.34, 1.0], [-0.34, -1.0]])
+    codes, scale = kernels.gptq_fp8(w, torch.tensor([[100.0, 9.9], [9.9, 1.0]]))
+    assert codes.float().tolist() == [[160.0, 448.0], [-160.0, -448.0]]
+    again, _ = kernels.quantize_fp8(kernels.dequantize_fp8(codes, scale))
+    assert torch.equal(again.view(torch.uint8), codes.view(torch.uint8))
+
+
+def test_gptq_fp8_with_uncorrelated_inputs_rounds_to_nearest():
+    # a diagonal hessian: no column's error can be helped by another's, so GPTQ is round-to-nearest; an input
+    # channel that was always zero is fine
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(32, 64, generator=gen)
+    h = torch.diag(torch.rand(64, generator=gen) + 0.1)
+    h[5, 5] = 0.0
+    codes, scale = kernels.gptq_fp8(w, h)
+    assert torch.equal(codes.view(torch.uint8), kernels.quantize_fp8(w)[0].view(torch.uint8))
+
+
+def test_gptq_fp8_outputs_stay_closer_to_the_full_precision_linear_than_round_to_nearest():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 128, generator=gen)
+    x = correlated_inputs(1024, 128, gen)
+    held_out = x[512:]  # calibrated on the first half
+    out = kernels.dequantize_fp8(*kernels.gptq_fp8(w, x[:512].T @ x[:512] / 512))
+    rtn = kernels.dequantize_fp8(*kernels.quantize_fp8(w))
+    err = lambda v: ((held_out @ (v - w).T).norm() / (held_out @ w.T).norm()).item()
+    assert err(out) < 0.6 * err(rtn), (err(out), err(rtn))
+
+
+def test_calibrate_fp8_rounds_every_prunable_linear_and_brings_the_logits_closer():
+    from tiny_models import random_model
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 64, (4, 32)) for _ in range(3)]
+    held_out = torch.randint(0, 64, (4, 32))
+    m = random_model()
+    with torch.no_grad():
+        ref = m(held_out)[0]
+        rtn = engine.fp8_model(copy.deepcopy(m))(held_out)[0]
+        calibrated = kernels.calibrate_fp8(copy.deepcopy(m), batches)
+        for layer in calibrated.layers:
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                        layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                assert torch.equal(kernels.dequantize_fp8(*kernels.quantize_fp8(lin.weight)), lin.weight)
+        assert torch.equal(calibrated.embed_tokens.weight, m.embed_tokens.weight), "only the prunable linears"
+        out = engine.fp8_model(calibrated)(held_out)[0]
+    assert (out - ref).norm() < 0.95 * (rtn - ref).norm(), ((out - ref).norm(), (rtn - ref).norm())
+
+
 # ---------------------------------------------------------------------------------- gemm_mn
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("p_on", [0.0, 0.5, 1.0])
