@@ -14,12 +14,14 @@ rule (-> results/quality_serving.*; alone with --serving-only); fp8, dense and W
 linears rounded to e4m3 as engine.Engine(weights="fp8") serves them. Routing is deterministic throughout.
 """
 import argparse
+import copy
 import inspect
 import datetime
 import json
 import math
 import os
 import sys
+from statistics import fmean as mean
 
 import torch
 
@@ -27,6 +29,7 @@ import baselines
 import cli
 import data
 import dial
+import kernels
 import wide
 from checkpoints import load_dialled, load_wide, router_checkpoints
 from engine import fp8_model
@@ -113,26 +116,27 @@ def dial_rows(args, x, y, path, targets, rules, method):
     return rows
 
 
-def fp8_rows(args, x, y):
-    """Dense and WIDE (the --dial-from routers: stage 2 at 0.5 by default), each in its own dtype and in both fp8
-    schemes (engine.fp8_model): "fp8", weights only; "w8a8", weights and each token's input to a linear."""
-    rows = []
-    loaders = [("dense", lambda: (base_model(args), None))]
+def fp8_rows(args, x, y, calib):
+    """Dense and WIDE (--dial-from) in their dtype and both fp8 schemes (engine.fp8_model: "fp8" weights, "w8a8" also
+    the inputs), codes rounded to nearest or by GPTQ on the calib batches (kernels.calibrate_fp8, the model's forward)."""
+    rows, mean_rate = [], lambda rates: round(sum(map(mean, rates.values())) / max(1, len(rates)), 4)
+    loaders = [("dense", lambda: base_model(args))]
     if os.path.isfile(os.path.join(args.dial_from, "wide.json")):
-        loaders.append(("wide", lambda: load_wide(args.dial_from, device=args.device)))
+        loaders.append(("wide", lambda: load_wide(args.dial_from, device=args.device)[0]))
     for method, load in loaders:
-        r = dict(method=method, checkpoint=args.dial_from if method == "wide" else "base")
-        for activations, prefix in ((None, ""), (False, "fp8_"), (True, "w8a8_")):
-            model, wcfg = load()
-            r["dtype"] = str(next(model.parameters()).dtype)[6:]
-            ppl, rates = score(model if activations is None else fp8_model(model, activations), x, y, args)
-            r[prefix + "val_ppl"] = round(ppl, 3)
-            r[prefix + "realized"] = round(sum(sum(v) / len(v) for v in rates.values()) / max(1, len(rates)), 4)
-            if prefix:
-                r[prefix + "vs_model"] = round(r[prefix + "val_ppl"] / r["val_ppl"], 4)
-        rows.append(r)
-        print(f"{method}: ppl {r['dtype']} {r['val_ppl']:.2f}, fp8 weights {r['fp8_val_ppl']:.2f}, fp8 weights and "
-              f"activations {r['w8a8_val_ppl']:.2f}", flush=True)
+        model = load()
+        (own, rates), dtype = score(model, x, y, args), str(next(model.parameters()).dtype)[6:]
+        for rounding in ("nearest", "gptq"):
+            r = dict(method=method, checkpoint=args.dial_from if method == "wide" else "base", rounding=rounding,
+                     dtype=dtype, val_ppl=round(own, 3), realized=mean_rate(rates))
+            calibrated = kernels.calibrate_fp8(load(), calib) if rounding == "gptq" else None
+            for activations, prefix in ((False, "fp8_"), (True, "w8a8_")):
+                m = load() if calibrated is None else copy.deepcopy(calibrated)
+                ppl, got = score(fp8_model(m, activations), x, y, args)
+                r.update({prefix + "val_ppl": round(ppl, 3), prefix + "realized": mean_rate(got),
+                          prefix + "vs_model": round(ppl / own, 4)})
+            rows.append(r)
+            print(f"{method}, {rounding}: ppl {own:.2f}, fp8 {r['fp8_val_ppl']:.2f}, w8a8 {r['w8a8_val_ppl']:.2f}", flush=True)
     return rows
 
 
@@ -221,10 +225,6 @@ def serving_markdown(rows, meta):
     out += [f"| {r['profile']} | {r['ffn_rule']} | {r['val_ppl']:.2f} | {r['ppl_vs_dense']:.3f} | "
             f"{r.get('attn_skip', 0):.1%} | {r.get('ffn_skip', 0):.1%} |" for r in rows]
     return "\n".join(out) + "\n"
-
-
-def mean(v):
-    return sum(v) / len(v)
 
 
 def base_model(args):
@@ -415,7 +415,7 @@ def evaluate(args):
     if args.serving_only:
         return
     if args.fp8_only:
-        fp8 = fp8_rows(args, x, y)
+        fp8 = fp8_rows(args, x, y, calib)
         return save_results(os.path.join(args.results, args.name + "_fp8"), dict(meta, fp8=fp8),
                             "\n".join(title(meta) + fp8_markdown(fp8)) + "\n")
     trained, group_cfg = router_rows(args, x, y)
@@ -447,7 +447,7 @@ def evaluate(args):
                              lambda t: baseline("teal", t), steps, cfg)
                for w in rows if not args.no_baselines and (w["method"] == "wide dial" or (
                    w["method"] == "wide" and w["stage"] in args.matched_stages))]
-    fp8 = [] if args.no_fp8 else fp8_rows(args, x, y)
+    fp8 = [] if args.no_fp8 else fp8_rows(args, x, y, calib)
     batch_shared = shared_rows(args, x, y)
     extra_static_teal = sorted(cache.values(), key=lambda r: (r["method"], r["target_sparsity"]))
     md = markdown(rows, matched, dense_ppl, meta, fp8, batch_shared)
@@ -481,16 +481,16 @@ def title(meta):
 
 def fp8_markdown(fp8):
     out = ["", "fp8 (e4m3, one scale per output channel, on q, k, v, o, gate, up, down; embeddings, head and routers "
-           "unchanged), the two schemes `generate.py --weights fp8` runs (engine.fp8_model computes each): weights "
-           "only, where WIDE's decode kernels read the codes; weights and activations, each token's input to a "
-           "linear quantized with its own scale, where torch._scaled_mm runs them (the dense model's linears, and "
-           "an fp8 engine's library GEMMs). Target: within 1% of the model's own dtype.", "",
-           "| model | dtype | val ppl | fp8 weights | / dtype | fp8 weights and activations | / dtype | "
-           "realized sparsity (dtype / fp8 / both) |", "|---|---|---|---|---|---|---|---|"]
+           "unchanged), both schemes `generate.py --weights fp8` runs (engine.fp8_model): weights only, where WIDE's "
+           "decode kernels read the codes; weights and activations (each token's input quantized with its own scale), "
+           "where torch._scaled_mm runs them. Codes rounded to nearest, or by GPTQ on the calibration batches "
+           "(kernels.calibrate_fp8). Target: within 1% of the model's own dtype.", "",
+           "| model | rounding | dtype | val ppl | fp8 weights | / dtype | fp8 weights and activations | / dtype | "
+           "realized sparsity (dtype / fp8 / both) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in fp8:
         name = "dense" if r["method"] == "dense" else f"WIDE ({r['checkpoint']})"
-        out.append(f"| {name} | {r['dtype']} | {r['val_ppl']:.2f} | {r['fp8_val_ppl']:.2f} | {r['fp8_vs_model']:.4f} | "
-                   f"{r['w8a8_val_ppl']:.2f} | {r['w8a8_vs_model']:.4f} | {r['realized']:.1%} / "
+        out.append(f"| {name} | {r.get('rounding', 'nearest')} | {r['dtype']} | {r['val_ppl']:.2f} | {r['fp8_val_ppl']:.2f} | "
+                   f"{r['fp8_vs_model']:.4f} | {r['w8a8_val_ppl']:.2f} | {r['w8a8_vs_model']:.4f} | {r['realized']:.1%} / "
                    f"{r['fp8_realized']:.1%} / {r['w8a8_realized']:.1%} |")
     return out
 

@@ -172,9 +172,10 @@ def parse_args(argv):
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
                    help="torch: dense-masked reference; triton: kernels.py skips the pruned work; "
                         "auto: triton on a GPU")
-    p.add_argument("--weights", default="bf16", choices=["bf16", "fp8"],
+    p.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "fp8-gptq"],
                    help="fp8: the pruned linears' weights quantized once to e4m3 (per-output-channel scales), "
-                        "read as fp8 by the decode kernels (backend triton)")
+                        "read as fp8 by the decode kernels (backend triton); fp8-gptq: their codes rounded by GPTQ "
+                        "on 64 windows of the training plays (kernels.calibrate_fp8; closer to the model's outputs)")
     p.add_argument("--ffn-vote", type=cli.integer(1), default=None, help="the vote rule for FFN width (off by "
                    "default): in a decode step an FFN channel group runs for every row iff at least K rows want it, "
                    "so a row's output depends on its batch (without it, decode steps of more than 4 rows run the "
@@ -281,12 +282,13 @@ def main(argv=None):
     args = parse_args(argv)
     path, model, wcfg, dialled = load(args)
     model.ffn_rule = wide.FFNRule(vote=args.ffn_vote)  # the batch rule unless --ffn-vote
-    forward = engine.select(model.eval(), args.backend, weights=args.weights)  # the one backend switch
-    backend = "triton" if isinstance(forward, engine.Engine) else "torch"
-    if args.weights == "fp8" and backend == "torch":
-        cli.fail("--weights fp8 runs on the Triton engine; add --backend triton (a CUDA GPU, "
-                 "or TRITON_INTERPRET=1 on a CPU)")
     tok = checkpoints.tokenizer_for(path, args.model)
+    weights = checkpoints.fp8_weights(model.eval(), args.weights, tok)  # "fp8-gptq": GPTQ's codes, then "fp8"
+    forward = engine.select(model, args.backend, weights=weights)  # the one backend switch
+    backend = "triton" if isinstance(forward, engine.Engine) else "torch"
+    if weights == "fp8" and backend == "torch":
+        cli.fail(f"--weights {args.weights} runs on the Triton engine; add --backend triton (a CUDA GPU, "
+                 "or TRITON_INTERPRET=1 on a CPU)")
     prompts, rows, idx, lengths = prompt_batch(args, tok, model.config.max_seq_len)
 
     widths = []  # per generated token: the width of the forward pass that produced it (kept on device)

@@ -554,7 +554,8 @@ def parse_args(argv):
     p.add_argument("--max-queue", type=cli.integer(1), default=256, help="waiting requests; more get a 429")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="auto: triton on a GPU")
-    p.add_argument("--weights", default="bf16", choices=["bf16", "fp8"], help="fp8: the prunable linears as e4m3")
+    p.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "fp8-gptq"], help="fp8: the prunable "
+                   "linears as e4m3; fp8-gptq: with GPTQ's codes (as generate.py)")
     args = p.parse_args(argv)
     args.device = cli.pick_device(args.device)
     args.out_dir = args.out_dir or (os.path.join("routers", args.model) if args.model else "out")
@@ -571,10 +572,11 @@ def main(argv=None):
     path, model, wcfg, _ = checkpoints.load_for_inference(
         args.checkpoint, args.model, args.out_dir, "wide", args.sparsity, None, None, windows=data.dial_windows,
         device=args.device, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
-    forward = engine.select(model.eval(), args.backend, weights=args.weights)  # the one backend switch
-    if args.weights == "fp8" and not isinstance(forward, engine.Engine):
-        cli.fail("--weights fp8 runs on the Triton engine; add --backend triton (a CUDA GPU)")
     tok = checkpoints.tokenizer_for(path, args.model)
+    weights = checkpoints.fp8_weights(model.eval(), args.weights, tok)  # "fp8-gptq": GPTQ's codes, then "fp8"
+    forward = engine.select(model, args.backend, weights=weights)  # the one backend switch
+    if weights == "fp8" and not isinstance(forward, engine.Engine):
+        cli.fail(f"--weights {args.weights} runs on the Triton engine; add --backend triton (a CUDA GPU)")
     slot_len = args.slot_len or min(model.config.max_seq_len, 4096)
     if slot_len > model.config.max_seq_len:
         cli.fail(f"--slot-len {slot_len} exceeds the model's context of {model.config.max_seq_len}")

@@ -387,6 +387,7 @@ def test_eval_fp8_only_scores_dense_and_wide_in_both_fp8_schemes(tmp_path, token
     # fp8 weights and per-token fp8 activations (engine.fp8_model), the quality table untouched.
     import json
     import eval as evaluate
+    import kernels
     from engine import fp8_model
     out = tmp_path / "out"
     save_checkpoint(str(out / "base"), random_model(vocab_size=tokenizer.get_vocab_size()), tokenizer)
@@ -397,14 +398,19 @@ def test_eval_fp8_only_scores_dense_and_wide_in_both_fp8_schemes(tmp_path, token
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in (tmp_path / "res").iterdir()) == ["q_fp8.json", "q_fp8.md"]
     rows = json.loads((tmp_path / "res" / "q_fp8.json").read_text())["fp8"]
-    assert [row["method"] for row in rows] == ["dense", "wide"]
+    assert [(row["method"], row["rounding"]) for row in rows] == [
+        ("dense", "nearest"), ("dense", "gptq"), ("wide", "nearest"), ("wide", "gptq")]
     for row in rows:
         assert row["val_ppl"] != row["fp8_val_ppl"] != row["w8a8_val_ppl"], "three different models"
         for scheme in ("fp8", "w8a8"):
             assert row[f"{scheme}_vs_model"] == round(row[f"{scheme}_val_ppl"] / row["val_ppl"], 4)
+    for nearest, gptq in (rows[:2], rows[2:]):  # the same model, other codes
+        assert nearest["val_ppl"] == gptq["val_ppl"] and nearest["fp8_val_ppl"] != gptq["fp8_val_ppl"]
     args = evaluate.parse_args(["--out-dir", str(out), "--block-size", "16", "--max-windows", "6", "--device", "cpu"])
-    x, y, _ = evaluate.texts(args)
+    x, y, calib = evaluate.texts(args)
     both, _ = evaluate.score(fp8_model(evaluate.base_model(args), activations=True), x, y, args)
     assert rows[0]["w8a8_val_ppl"] == round(both, 3), "the dense row's weights-and-activations scheme"
+    gptq, _ = evaluate.score(fp8_model(kernels.calibrate_fp8(evaluate.base_model(args), calib)), x, y, args)
+    assert rows[1]["fp8_val_ppl"] == round(gptq, 3), "the dense row's GPTQ codes, weights only"
     md = (tmp_path / "res" / "q_fp8.md").read_text()
-    assert md.startswith("# Held-out perplexity") and "| fp8 weights and activations |" in md
+    assert md.startswith("# Held-out perplexity") and "| fp8 weights and activations |" in md and "| gptq |" in md

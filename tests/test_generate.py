@@ -59,6 +59,29 @@ def test_triton_backend_gives_the_reference_text_with_the_skipping_kernels_launc
     assert "library GEMM on the masked input" in out and "backend triton" in out and "backend torch" in ref
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compares fp32 text under the CPU interpreter")
+def test_fp8_gptq_weights_generate_as_the_model_with_gptqs_codes(out_dir, capsys, monkeypatch):
+    import engine
+    import kernels
+    calls = []
+    real = kernels.calibrate_fp8
+    monkeypatch.setattr(kernels, "calibrate_fp8", lambda m, batches: calls.append(list(batches)) or real(m, batches))
+    common = ("--out-dir", out_dir, "--sparsity", "0.5", "--temperature", "0", "--max-new-tokens", "8",
+              "--prompt", "ROMEO:")
+    out = run_main(capsys, main, *common, "--backend", "triton", "--weights", "fp8-gptq").stdout
+    assert len(calls) == 1 and all(b.shape[0] <= 16 for b in calls[0]) and sum(len(b) for b in calls[0]) == 64
+    # the reference: the same checkpoint, calibrated the same way, its weights as the fp8 codes stand for
+    path, model, _, _ = checkpoints.load_for_inference(None, None, out_dir, "wide", 0.5, None, None,
+                                                       windows=data.dial_windows, device="cpu", dtype=torch.float32)
+    tok = checkpoints.tokenizer_for(path, None)
+    assert checkpoints.fp8_weights(model.eval(), "fp8-gptq", tok) == "fp8"
+    ref_model = engine.fp8_model(model)
+    idx = torch.tensor([tok.encode("ROMEO:").ids])
+    with torch.no_grad():
+        ref = tok.decode(generate(ref_model, idx, 8)[0].tolist())
+    assert ref in out, f"{ref!r}\n---\n{out}"
+
+
 def test_show_width_reports_each_rows_own_tokens_not_the_padding(out_dir):
     # Prompts of different lengths are right-padded: after the prefill, position P-1 is padding for
     # the shorter rows. The width of each row's first new token must be that of its own last prompt
