@@ -25,8 +25,6 @@ from dataclasses import asdict
 
 import torch
 
-import data
-import kernels
 from dial import CALIB_SEED, CALIB_WINDOWS, calibrate, fold_offsets
 from model import CheckpointError, ModelConfig, Transformer, is_wide_tensor, load_safetensors_dir, load_tokenizer, save_checkpoint
 from wide import WideConfig, install_lora, install_routers, merge_lora, trained_target
@@ -336,16 +334,6 @@ def load_for_inference(checkpoint, model_name, out_dir, method, sparsity, attn_s
         raise CheckpointError(f"the sparsity dial needs a router checkpoint; {path} {what} "
                               "(train one with: python train.py --sparsity 0.5)")
     return path, Transformer.from_pretrained(path, device=device, dtype=dtype), None, None
-
-
-def fp8_weights(model, weights, tokenizer):
-    """--weights of generate.py and serve.py as engine.select takes it: "fp8-gptq" first rounds the model's
-    prunable linears to GPTQ's fp8 codes (kernels.calibrate_fp8) on the dial's calibration windows of the
-    training plays, then is "fp8"; "bf16" and "fp8" stay as they are."""
-    if weights == "fp8-gptq":
-        windows = data.dial_windows(tokenizer, min(256, model.config.max_seq_len), CALIB_WINDOWS, CALIB_SEED)
-        kernels.calibrate_fp8(model, windows.to(model.embed_tokens.weight.device).split(16))
-    return "fp8" if weights == "fp8-gptq" else weights
 
 
 def tokenizer_for(path, model_name):

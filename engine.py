@@ -22,11 +22,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cli
+import data
 import kernels
 import kernels_gemv
 from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
+from dial import CALIB_SEED, CALIB_WINDOWS
 from kernels_step import norm_route, quantize_rows, quantize_rows_ref, rms_norm, rope_and_store, swiglu_rows
 from policy import GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE, Plan, Policy, Shape
 from wide import shared_by_vote
@@ -91,6 +93,15 @@ def fp8_linear(x, codes, scale):
     with torch.autocast(x.device.type, enabled=False):
         a = quantize_rows_ref(x.reshape(-1, x.shape[-1]))
         return kernels.scaled_mm_ref(a, codes, scale, x.dtype).view(*x.shape[:-1], -1)
+
+
+def fp8_weights(model, weights, tokenizer):
+    """--weights of generate.py and serve.py as select takes it: "fp8-gptq" first rounds the prunable linears
+    to GPTQ's codes (kernels.calibrate_fp8) on the dial's calibration windows of the training plays; then "fp8"."""
+    if weights == "fp8-gptq":
+        windows = data.dial_windows(tokenizer, min(256, model.config.max_seq_len), CALIB_WINDOWS, CALIB_SEED)
+        kernels.calibrate_fp8(model, windows.to(model.embed_tokens.weight.device).split(16))
+    return "fp8" if weights == "fp8-gptq" else weights
 
 
 def select(model, backend="auto", policy=None, weights="bf16"):

@@ -283,7 +283,7 @@ def main(argv=None):
     path, model, wcfg, dialled = load(args)
     model.ffn_rule = wide.FFNRule(vote=args.ffn_vote)  # the batch rule unless --ffn-vote
     tok = checkpoints.tokenizer_for(path, args.model)
-    weights = checkpoints.fp8_weights(model.eval(), args.weights, tok)  # "fp8-gptq": GPTQ's codes, then "fp8"
+    weights = engine.fp8_weights(model.eval(), args.weights, tok)  # "fp8-gptq": GPTQ's codes, then "fp8"
     forward = engine.select(model, args.backend, weights=weights)  # the one backend switch
     backend = "triton" if isinstance(forward, engine.Engine) else "torch"
     if weights == "fp8" and backend == "torch":

@@ -573,7 +573,7 @@ def main(argv=None):
         args.checkpoint, args.model, args.out_dir, "wide", args.sparsity, None, None, windows=data.dial_windows,
         device=args.device, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     tok = checkpoints.tokenizer_for(path, args.model)
-    weights = checkpoints.fp8_weights(model.eval(), args.weights, tok)  # "fp8-gptq": GPTQ's codes, then "fp8"
+    weights = engine.fp8_weights(model.eval(), args.weights, tok)  # "fp8-gptq": GPTQ's codes, then "fp8"
     forward = engine.select(model, args.backend, weights=weights)  # the one backend switch
     if weights == "fp8" and not isinstance(forward, engine.Engine):
         cli.fail(f"--weights {args.weights} runs on the Triton engine; add --backend triton (a CUDA GPU)")

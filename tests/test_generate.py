@@ -74,7 +74,7 @@ def test_fp8_gptq_weights_generate_as_the_model_with_gptqs_codes(out_dir, capsys
     path, model, _, _ = checkpoints.load_for_inference(None, None, out_dir, "wide", 0.5, None, None,
                                                        windows=data.dial_windows, device="cpu", dtype=torch.float32)
     tok = checkpoints.tokenizer_for(path, None)
-    assert checkpoints.fp8_weights(model.eval(), "fp8-gptq", tok) == "fp8"
+    assert engine.fp8_weights(model.eval(), "fp8-gptq", tok) == "fp8"
     ref_model = engine.fp8_model(model)
     idx = torch.tensor([tok.encode("ROMEO:").ids])
     with torch.no_grad():
