@@ -386,6 +386,31 @@ def test_weights_other_than_bf16_and_fp8_are_refused_and_fp8_is_described():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gptq_codes_on_the_gpu_in_bf16_are_the_codes_the_engine_reads():
+    # as generate.py --weights fp8-gptq runs on a GPU: the model in bf16, the hessians and GPTQ on the device
+    m = wide_model(dtype=torch.bfloat16)
+    batches = [torch.randint(0, 96, (4, 48), device=DEV) for _ in range(2)]
+    h = {}
+    lin = m.layers[0].mlp.gate_proj
+    hook = lin.register_forward_pre_hook(lambda mod, a: h.setdefault("x", a[0].detach().reshape(-1, a[0].shape[-1])))
+    with torch.no_grad():
+        m(batches[0])
+    hook.remove()
+    x = h["x"].double()
+    codes, _ = kernels.gptq_fp8(lin.weight, x.T @ x / len(x))
+    assert codes.is_cuda and not torch.equal(codes.view(torch.uint8), kernels.quantize_fp8(lin.weight)[0].view(torch.uint8))
+    kernels.calibrate_fp8(m, batches)
+    e = engine.Engine(m, weights="fp8")
+    for layer in m.layers:  # the engine's O codes dequantize to the calibrated bf16 weights
+        codes, scale = e.fp8[id(layer)]["o"]
+        assert torch.equal(kernels.dequantize_fp8(codes, scale, torch.bfloat16), layer.self_attn.o_proj.weight)
+    ref_model = dequantized_copy(m)
+    idx = torch.tensor([[5, 17, 3, 44, 9]], device=DEV)
+    with torch.no_grad():
+        assert torch.equal(greedy(e, idx, 8)[0], greedy(ref_model, idx, 8)[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M", [1, 4])
 def test_fp8_decode_kernels_on_the_gpu_in_bf16(M):
     gen = torch.Generator().manual_seed(M)
