@@ -11,10 +11,11 @@ TRITON_INTERPRET=1 on the CPU) or fail; nothing falls back to a twin. Pruned out
   gemm_mn(x[M,K], w[N,K], mask, group_size)  -> [M,N]  Q proj; gate+up fused with silu(gate)*up
   gemm_k(a[M,K], w[N,K], mask, group_size)   -> [M,N]  O proj, down proj: (a * mask) @ w.T
   (the layout: kernels_layout.py; attention over the live head groups: kernels_attention.py)
-fp8 weights (e4m3, one fp32 scale per output channel, `quantize_fp8`): the kernels read the live groups'
-codes, sum in fp32 and apply the channel's scale in the epilogue; the twins dequantize first. A linear that
-skips nothing can instead run on fp8 tensor cores (`scaled_mm`: torch._scaled_mm) with its input quantized
-per token (`Fp8Rows`, made by kernels_step.quantize_rows): weights and activations in e4m3.
+fp8 weights (e4m3, one fp32 scale per output channel, `quantize_fp8`; or GPTQ's codes, `gptq_fp8`, and for a
+model `calibrate_fp8`): the kernels read the live groups' codes, sum in fp32 and apply the channel's scale in
+the epilogue; the twins dequantize first. A linear that skips nothing can instead run on fp8 tensor cores
+(`scaled_mm`: torch._scaled_mm) with its input quantized per token (`Fp8Rows`, made by
+kernels_step.quantize_rows): weights and activations in e4m3.
 """
 import contextlib
 from typing import NamedTuple
@@ -89,9 +90,9 @@ class _Reached(Exception):
 
 @torch.no_grad()
 def calibrate_fp8(model, batches):
-    """GPTQ for the fp8 codes, in place: layer by layer, each prunable linear's weights rounded by
-    kernels.gptq_fp8 so that its outputs on these token batches ([B, T] each) move least, with the layers
-    before it already rounded. quantize_fp8 then reads GPTQ's codes wherever fp8 runs (engine.Engine, engine.fp8_model)."""
+    """GPTQ for the fp8 codes, in place: layer by layer, each prunable linear's weights rounded by gptq_fp8
+    so that its outputs on these token batches ([B, T] each) move least, with the layers before it already
+    rounded. quantize_fp8 then reads GPTQ's codes wherever fp8 runs (engine.Engine, engine.fp8_model)."""
     for layer in model.layers:
         a, f = layer.self_attn, layer.mlp
         sites = {a.q_proj: (a.q_proj, a.k_proj, a.v_proj), a.o_proj: (a.o_proj,),
