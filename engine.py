@@ -36,8 +36,7 @@ from wide import shared_by_vote
 
 def why_not_ready(model):
     """None if the kernels can run every layer of this model, else the reason (one line)."""
-    cfg = model.config
-    d = cfg.head_dim
+    d = model.config.head_dim
     if d < 16 or d & (d - 1):
         return f"head_dim {d} is not a power of two >= 16"
     for layer in model.layers:
@@ -62,11 +61,8 @@ def fuse_weights(layer):
     fused = []
     for parts in ((a.q_proj, a.k_proj, a.v_proj), (f.gate_proj, f.up_proj)):
         w = torch.cat([p.weight.detach() for p in parts])
-        start = 0
-        for p in parts:
-            n = p.weight.shape[0]
-            p.weight = nn.Parameter(w[start:start + n], requires_grad=False)
-            start += n
+        for p, rows in zip(parts, w.split([p.weight.shape[0] for p in parts])):  # views into w
+            p.weight = nn.Parameter(rows, requires_grad=False)
         fused.append(w)
     return tuple(fused)
 
@@ -104,14 +100,18 @@ def fp8_weights(model, weights, tokenizer):
     return "fp8" if weights == "fp8-gptq" else weights
 
 
-def select(model, backend="auto", policy=None, weights="bf16"):
-    """The one backend switch: "torch" -> the model itself, "triton" -> Engine(model), "auto" -> triton
-    on a CUDA model whose shapes the kernels take, else torch. Both are called as model(idx, ...)."""
+def backend_of(model, backend):
+    """What select runs for `backend`: "torch" or "triton" ("auto": triton on a CUDA model the kernels take)."""
     if backend not in ("torch", "triton", "auto"):
         raise ValueError(f"backend must be torch, triton or auto, got {backend!r}")
     if backend == "auto":
         backend = "triton" if model.embed_tokens.weight.is_cuda and why_not_ready(model) is None else "torch"
-    return model if backend == "torch" else Engine(model, policy, weights)
+    return backend
+
+
+def select(model, backend="auto", policy=None, weights="bf16"):
+    """The one backend switch (backend_of): "torch" -> the model itself, "triton" -> Engine(model), both model(idx)."""
+    return model if backend_of(model, backend) == "torch" else Engine(model, policy, weights)
 
 
 def n_groups(router):

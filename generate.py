@@ -282,13 +282,13 @@ def main(argv=None):
     args = parse_args(argv)
     path, model, wcfg, dialled = load(args)
     model.ffn_rule = wide.FFNRule(vote=args.ffn_vote)  # the batch rule unless --ffn-vote
-    tok = checkpoints.tokenizer_for(path, args.model)
-    weights = engine.fp8_weights(model.eval(), args.weights, tok)  # "fp8-gptq": GPTQ's codes, then "fp8"
-    forward = engine.select(model, args.backend, weights=weights)  # the one backend switch
-    backend = "triton" if isinstance(forward, engine.Engine) else "torch"
-    if weights == "fp8" and backend == "torch":
+    backend = engine.backend_of(model, args.backend)
+    if args.weights != "bf16" and backend == "torch":  # before any calibration
         cli.fail(f"--weights {args.weights} runs on the Triton engine; add --backend triton (a CUDA GPU, "
                  "or TRITON_INTERPRET=1 on a CPU)")
+    tok = checkpoints.tokenizer_for(path, args.model)
+    weights = engine.fp8_weights(model.eval(), args.weights, tok)  # "fp8-gptq": GPTQ's codes, then "fp8"
+    forward = engine.select(model, backend, weights=weights)  # the one backend switch
     prompts, rows, idx, lengths = prompt_batch(args, tok, model.config.max_seq_len)
 
     widths = []  # per generated token: the width of the forward pass that produced it (kept on device)

@@ -572,11 +572,11 @@ def main(argv=None):
     path, model, wcfg, _ = checkpoints.load_for_inference(
         args.checkpoint, args.model, args.out_dir, "wide", args.sparsity, None, None, windows=data.dial_windows,
         device=args.device, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    if args.weights != "bf16" and engine.backend_of(model, args.backend) == "torch":  # before any calibration
+        cli.fail(f"--weights {args.weights} runs on the Triton engine; add --backend triton (a CUDA GPU)")
     tok = checkpoints.tokenizer_for(path, args.model)
     weights = engine.fp8_weights(model.eval(), args.weights, tok)  # "fp8-gptq": GPTQ's codes, then "fp8"
     forward = engine.select(model, args.backend, weights=weights)  # the one backend switch
-    if weights == "fp8" and not isinstance(forward, engine.Engine):
-        cli.fail(f"--weights {args.weights} runs on the Triton engine; add --backend triton (a CUDA GPU)")
     slot_len = args.slot_len or min(model.config.max_seq_len, 4096)
     if slot_len > model.config.max_seq_len:
         cli.fail(f"--slot-len {slot_len} exceeds the model's context of {model.config.max_seq_len}")

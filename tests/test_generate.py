@@ -82,6 +82,15 @@ def test_fp8_gptq_weights_generate_as_the_model_with_gptqs_codes(out_dir, capsys
     assert ref in out, f"{ref!r}\n---\n{out}"
 
 
+@pytest.mark.parametrize("weights", ["fp8", "fp8-gptq"])
+def test_fp8_weights_on_the_torch_backend_stop_in_one_line_before_any_calibration(out_dir, capsys, monkeypatch, weights):
+    import kernels
+    monkeypatch.setattr(kernels, "calibrate_fp8", lambda *a: pytest.fail("calibrated before the backend check"))
+    r = stopped(capsys, main, "--out-dir", out_dir, "--sparsity", "0.5", "--backend", "torch", "--weights", weights,
+                "--max-new-tokens", "2")
+    assert_one_line_error(r, f"--weights {weights}", "--backend triton")
+
+
 def test_show_width_reports_each_rows_own_tokens_not_the_padding(out_dir):
     # Prompts of different lengths are right-padded: after the prefill, position P-1 is padding for
     # the shorter rows. The width of each row's first new token must be that of its own last prompt
