@@ -66,7 +66,7 @@ def gptq_fp8(w, hessian, damp=0.01, block=128):
     # fp64: a pretrained model's activations span many decades (a few channels are 1000x the rest), and the
     # factorization of their hessian fails in fp32.
     h = hessian.detach().double().clone()
-    idle = h.diagonal() == 0  # an input that was always 0: nothing to move its weights' errors by
+    idle = h.diagonal() == 0  # an input always 0 (even every input, behind groups skipped on every calibration token)
     h[idle, idle] = 1.0
     h += damp * h.diagonal().mean() * torch.eye(K, dtype=h.dtype, device=h.device)
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)

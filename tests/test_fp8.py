@@ -98,6 +98,9 @@ def test_gptq_fp8_with_uncorrelated_inputs_rounds_to_nearest():
     h[5, 5] = 0.0
     codes, scale = kernels.gptq_fp8(w, h)
     assert torch.equal(codes.view(torch.uint8), kernels.quantize_fp8(w)[0].view(torch.uint8))
+    # inputs that were all zero (a linear behind groups the routers skipped for every calibration token)
+    codes, scale = kernels.gptq_fp8(w, torch.zeros(64, 64))
+    assert torch.equal(codes.view(torch.uint8), kernels.quantize_fp8(w)[0].view(torch.uint8))
 
 
 def test_gptq_fp8_outputs_stay_closer_to_the_full_precision_linear_than_round_to_nearest():
