@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+import cli
 from kernels_base import LONG_K, check_device, codes_f32, config_for, empty, launch_args, pdl_args, pow2_divisor, prior_done
 from kernels_gemv import gemv_mn
 from kernels_layout import as_layout, flat_mask
@@ -66,6 +67,9 @@ def gptq_fp8(w, hessian, damp=0.01, block=128):
     # fp64: a pretrained model's activations span many decades (a few channels are 1000x the rest), and the
     # factorization of their hessian fails in fp32.
     h = hessian.detach().double().clone()
+    if not torch.isfinite(h).all():  # inf/NaN activations on a calibration batch: no rounding can follow them
+        raise cli.UserError("gptq_fp8: the hessian has inf or NaN entries (the calibration activations overflowed); "
+                         "calibrate in float32 or use --weights fp8 (round to nearest)")
     idle = h.diagonal() == 0  # an input always 0 (even every input, behind groups skipped on every calibration token)
     h[idle, idle] = 1.0
     h += damp * h.diagonal().mean() * torch.eye(K, dtype=h.dtype, device=h.device)

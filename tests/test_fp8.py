@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 
+import cli
 import engine
 import kernels
 import kernels_base
@@ -101,6 +102,16 @@ def test_gptq_fp8_with_uncorrelated_inputs_rounds_to_nearest():
     # inputs that were all zero (a linear behind groups the routers skipped for every calibration token)
     codes, scale = kernels.gptq_fp8(w, torch.zeros(64, 64))
     assert torch.equal(codes.view(torch.uint8), kernels.quantize_fp8(w)[0].view(torch.uint8))
+
+
+def test_gptq_fp8_stops_in_one_line_on_a_hessian_with_inf_or_nan():
+    # activations that overflowed on a calibration batch (bf16 on a GPU): one clear line, not a linalg traceback
+    w = torch.randn(8, 16)
+    for bad in (float("nan"), float("inf")):
+        h = torch.eye(16)
+        h[3, 4] = bad
+        with pytest.raises(cli.UserError, match="inf or NaN.*--weights fp8"):
+            kernels.gptq_fp8(w, h)
 
 
 def test_gptq_fp8_outputs_stay_closer_to_the_full_precision_linear_than_round_to_nearest():
