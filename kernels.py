@@ -233,7 +233,7 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, 
 
 
 def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, config=None, dense_tail=0,
-            w_scale=None, w_up_scale=None, rope=None, x_bound=None):
+            w_scale=None, w_up_scale=None, rope=None):
     """Masked linear with output-channel groups: x[M,K], w[N,K], mask [M, N/group_size] -> [M,N].
 
     With w_up it is the fused SwiGLU input silu(x @ w.T) * (x @ w_up.T) (w = gate).
@@ -246,8 +246,7 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     w_scale [N] (and w_up_scale for w_up): w (and w_up) are float8_e4m3fn with these per-row scales.
     The decode GEMV reads the fp8 bytes; more tokens dequantize to x's dtype and run the sorted tiles.
     rope (kernels_gemv.Rope, decode GEMV only): w is [Q; K; V]; RoPE and the KV-cache write happen in the
-    kernel's epilogue and the result is Q alone, rotated. x_bound: an upper bound on |x| for the one-token
-    fp8 tensor-core GEMV (kernels_gemv.gemv_mn, config TC8); None, it takes max |x| itself.
+    kernel's epilogue and the result is Q alone, rotated.
     """
     check_device(x)
     M, K = x.shape
@@ -270,7 +269,7 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     ieee = x.dtype == torch.float32
     if M <= GEMV_MAX_TOKENS:  # decode: the GEMV of kernels_gemv.py, straight from the mask or the live list
         return gemv_mn(x, w, w_up, ws, wus, out, flat_mask(mask_or_layout).view(torch.uint8), group_size, G, GE,
-                       config=config, rope=rope, x_bound=x_bound)
+                       config=config, rope=rope)
     assert rope is None, "rope: the decode GEMV only"
     lay = as_layout(mask_or_layout)
     cfg = config_for("gemm_mn_fused" if fused else "gemm_mn", config)

@@ -3,7 +3,6 @@ The decode GEMVs: a step of a few tokens streams the weights of its live groups,
 
   gemv_mn(x[M,K], w[N,K], mask, group_size)  Q (K and V as its dense tail, RoPE and the cache write in its
                                              epilogue); gate+up with silu(gate)*up
-  (config TC8: one bf16 token on fp8 weights, on fp8 tensor cores: _gemv_tc8_kernel)
 kernels.gemm_mn calls it for decode-sized steps; its twin is kernels.gemm_mn_ref. P persistent programs share
 the live groups' chunks (BN output rows each) out evenly, whole chunks per program, so no partial sum ever
 leaves a program. Each program lists the live groups from the mask itself (a few hundred bytes): reading the
@@ -16,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_base import (codes_f32, config_for, empty, launch_args, num_sms, pdl_args, pow2_divisor, prior_done,
-                          round_e4m3)
+from kernels_base import codes_f32, config_for, empty, launch_args, num_sms, pdl_args, pow2_divisor, prior_done
 from policy import GEMV_MAX_TOKENS
 
 
@@ -127,7 +125,18 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
     prior_done(PDL)
     pid, P = tl.program_id(0), tl.num_programs(0)
     t = tl.arange(0, BT)
-    lst, n_live = _live_groups(mask, live_list + pid * GP, t, M, G, GE, GP)
+    gg = tl.arange(0, GP)
+    bits = tl.load(mask + t[:, None] * G + gg[None, :], mask=(t < M)[:, None] & (gg < G)[None, :],
+                   other=0).to(tl.int32)
+    # WIDE skip: the live-group list; a group no token of the step runs is never put on it, so its weight
+    # rows are never read (the dense tail, K and V after Q, is always live)
+    live = ((tl.max(bits, 0) > 0) | ((gg >= G) & (gg < G + GE))).to(tl.int32)
+    dead = tl.where(gg < G + GE, 1 - live, 0)
+    n_live = tl.sum(live, 0)
+    lst = live_list + pid * GP  # this program's list: live groups ascending, then dead ones
+    tl.store(lst + tl.cumsum(live, 0) - 1, gg, mask=live > 0)
+    tl.store(lst + n_live + tl.cumsum(dead, 0) - 1, gg, mask=dead > 0)
+    tl.debug_barrier()
     KS = tl.cdiv(K, BK)
     C = n_live * (GS // BN)  # live chunks, shared out evenly
     begin, end = pid * C // P * KS, (pid + 1) * C // P * KS
@@ -163,104 +172,11 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
                              FUSED, FP8)
             acc = acc * 0.0
             acc_up = acc_up * 0.0
-    _dead_zeros(out, lst, n_live, t, M, G, GE, som, pid, P, GS, BT, BN, HALF)
-
-
-@triton.jit
-def _live_groups(mask, lst, t, M, G, GE, GP: tl.constexpr):
-    # WIDE skip: the live-group list; a group no token of the step runs is never put on it, so its weight
-    # rows are never read (the dense tail, K and V after Q, is always live). lst: this program's list, live
-    # groups ascending, then dead ones. Returns (lst, the number of live groups).
-    gg = tl.arange(0, GP)
-    bits = tl.load(mask + t[:, None] * G + gg[None, :], mask=(t < M)[:, None] & (gg < G)[None, :],
-                   other=0).to(tl.int32)
-    live = ((tl.max(bits, 0) > 0) | ((gg >= G) & (gg < G + GE))).to(tl.int32)
-    dead = tl.where(gg < G + GE, 1 - live, 0)
-    n_live = tl.sum(live, 0)
-    tl.store(lst + tl.cumsum(live, 0) - 1, gg, mask=live > 0)
-    tl.store(lst + n_live + tl.cumsum(dead, 0) - 1, gg, mask=dead > 0)
-    tl.debug_barrier()
-    return lst, n_live
-
-
-@triton.jit
-def _dead_zeros(out, lst, n_live, t, M, G, GE, som, pid, P, GS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                HALF: tl.constexpr):
-    # dead groups' chunks, shared out as the live ones are: zeros only
-    D = (G + GE - n_live) * (GS // BN)
+    D = (G + GE - n_live) * (GS // BN)  # dead groups' chunks, shared out the same way: zeros only
     for c in range(pid * D // P, (pid + 1) * D // P):
         n = _gemv_rows(tl.load(lst + n_live + c * BN // GS), c, GS, BN, HALF)
         tl.store(out + t[:, None] * som + n[None, :], tl.zeros([BT, BN], out.dtype.element_ty),
                  mask=(t < M)[:, None])
-
-
-@triton.jit
-def _token_terms(x, k0, kk, kok, s_hi, s_lo):
-    # One token's K slice as two e4m3 terms, x = s_hi * hi + s_lo * lo: a [BK, 16] tile with hi in column 0,
-    # lo in column 1 (the rest 0), the B operand of an fp8 tensor-core product. s_lo = s_hi / 16 bounds lo:
-    # hi is x / s_hi to 4 significant bits, so the remainder is at most |x| / 16. Together the terms hold
-    # about 8 significant bits, bf16's.
-    xv = tl.load(x + k0 + kk, mask=kok, other=0.0).to(tl.float32)
-    hi = round_e4m3(tl.minimum(tl.maximum(xv / s_hi, -448.0), 448.0))
-    lo = round_e4m3(tl.minimum(tl.maximum((xv - hi * s_hi) / s_lo, -448.0), 448.0))
-    jj = tl.arange(0, 16)
-    xt = tl.where((jj == 0)[None, :], hi[:, None], tl.where((jj == 1)[None, :], lo[:, None], 0.0))
-    return xt.to(tl.float8e4nv)
-
-
-@triton.jit
-def _gemv_tc8_kernel(x, w, w_up, ws, wus, out, mask, live_list, N, K, G, GE, swn, som, x_bound,
-                     cos, sin, slot, k_dst, v_dst, NQ, NK, T, sdb, sdh, sdt,
-                     GS: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr,
-                     HALF: tl.constexpr, AMAX: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
-    """Decode gemm_mn for one token on fp8 weights (config TC8): the products on fp8 tensor cores.
-
-    The schedule of _gemv_mn_kernel (persistent programs, the live chunks shared out evenly, whole chunks
-    per program, one flat loop over (chunk, BK slice) steps that the compiler pipelines), but each step is
-    one tensor-core product [BN, BK] x [BK, 16]: the weights' e4m3 codes on the left as they lie in memory,
-    the token on the right as two e4m3 terms (_token_terms, scales from x_bound >= max |x|, or with AMAX from
-    max |x| itself, which each program then reads whole: a round trip more). No code is
-    converted and no product leaves the tensor cores, where the CUDA-core GEMV spends several instructions
-    per code. The result is the twin's up to the terms' rounding, about bf16's. Epilogues as
-    _gemv_mn_kernel's (scales, SwiGLU, RoPE and the cache write). Twin: kernels.gemm_mn_ref."""
-    prior_done(PDL)
-    pid, P = tl.program_id(0), tl.num_programs(0)
-    t = tl.arange(0, 1)
-    lst, n_live = _live_groups(mask, live_list + pid * GP, t, 1, G, GE, GP)
-    KS = tl.cdiv(K, BK)
-    C = n_live * (GS // BN)
-    begin, end = pid * C // P * KS, (pid + 1) * C // P * KS
-    if AMAX:
-        kp = tl.arange(0, KP)
-        x_bound = tl.max(tl.abs(tl.load(x + kp, mask=kp < K, other=0.0).to(tl.float32)), 0)
-    s_hi = tl.maximum(x_bound, 1e-30) / 448.0
-    s_lo = s_hi / 16.0
-    kk = tl.arange(0, BK)
-    jj = tl.arange(0, 16)
-    acc = tl.zeros([BN, 16], tl.float32)
-    acc_up = tl.zeros([BN, 16], tl.float32)
-    for step in range(begin, end):
-        chunk, k0 = step // KS, (step % KS) * BK
-        g = tl.load(lst + chunk * BN // GS)
-        n = _gemv_rows(g, chunk, GS, BN, HALF)
-        kok = k0 + kk < K
-        xt = _token_terms(x, k0, kk, kok, s_hi, s_lo)
-        acc = tl.dot(tl.load(w + n[:, None] * swn + k0 + kk[None, :], mask=kok[None, :], other=0.0), xt, acc)
-        if FUSED:
-            acc_up = tl.dot(tl.load(w_up + n[:, None] * swn + k0 + kk[None, :], mask=kok[None, :], other=0.0), xt,
-                            acc_up)
-        if step % KS == KS - 1:  # chunk done: the two terms' sums, then the epilogue
-            res = tl.sum(acc * tl.where(jj == 0, s_hi, tl.where(jj == 1, s_lo, 0.0))[None, :], 1)[None, :]
-            gv = g + tl.zeros([BN], tl.int32)
-            if HALF > 0:
-                _gemv_qkv_out(out, k_dst, v_dst, cos, sin, slot, mask, res * tl.load(ws + n)[None, :], t, gv, n, 1, G,
-                              NQ, NK, T, sdb, sdh, sdt, 1, BN, HALF)
-            else:
-                res_up = tl.sum(acc_up * tl.where(jj == 0, s_hi, tl.where(jj == 1, s_lo, 0.0))[None, :], 1)[None, :]
-                _gemv_mn_out(out, ws, wus, mask, res, res_up, t, gv, n, 1, G, som, FUSED, True)
-            acc = tl.zeros([BN, 16], tl.float32)
-            acc_up = tl.zeros([BN, 16], tl.float32)
-    _dead_zeros(out, lst, n_live, t, 1, G, GE, som, pid, P, GS, 1, BN, HALF)
 
 
 class Rope(NamedTuple):
@@ -275,11 +191,10 @@ class Rope(NamedTuple):
     tokens_per_row: int    # T of the step (M = B * T)
 
 
-def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope=None, x_bound=None):
+def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope=None):
     """Launch _gemv_mn_kernel for kernels.gemm_mn (x [M <= 16, K]; mask uint8 [M, G]; out [M, N]; ws, wus the
     fp8 scales or placeholders). rope (a Rope): w is Q, K, V; the epilogue rotates Q and K and writes K and V
-    into the cache; returns Q [M, n_q], rotated. One bf16 token on fp8 weights with config TC8:
-    _gemv_tc8_kernel instead, x_bound an upper bound on |x| (None: the kernel takes max |x|)."""
+    into the cache; returns Q [M, n_q], rotated."""
     M, K = x.shape
     N = w.shape[0]
     fused, fp8 = w_up is not w, ws is not x
@@ -302,16 +217,6 @@ def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope
         assert BN >= 2 and kc.stride() == vc.stride() and kc.stride(-1) == 1, "RoPE pairs need 2 lanes a chunk"
         half, out = d // 2, empty((M, rope.n_q), x.dtype, x.device)
     cos, sin, slot = (rope.cos, rope.sin, rope.slot) if rope is not None else (x, x, x)
-    if fp8 and M == 1 and cfg.get("TC8") and x.dtype != torch.float32:  # (terms of bf16's precision)
-        BN = max(BN, 64)  # the tensor cores' smallest tile of rows
-        assert group_size % BN == 0, "TC8: groups of whole 64-row tiles"
-        _gemv_tc8_kernel[(P,)](x, w, w_up, ws, wus, out, mask, live_list, N, K, G, GE, w.stride(0), out.stride(0),
-                               1.0 if x_bound is None else float(x_bound), cos, sin, slot, kc, vc,
-                               rope.n_q if rope else 0, rope.n_k if rope else 0, rope.tokens_per_row if rope else 1,
-                               kc.stride(0), kc.stride(1) if rope else 0, kc.stride(2) if rope else 0,
-                               GS=group_size, GP=GP, BN=BN, BK=cfg["BK"], FUSED=fused, HALF=half, AMAX=x_bound is None,
-                               KP=triton.next_power_of_2(K), **launch_args(cfg), **pdl_args(x.device))
-        return out
     _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, mask, live_list,
                           M, N, K, G, GE, x.stride(0), w.stride(0), out.stride(0),
                           cos, sin, slot, kc, vc, rope.n_q if rope else 0, rope.n_k if rope else 0,

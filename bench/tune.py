@@ -34,11 +34,6 @@ def tune_table(s):
            v(4, 1, BN=16, BK=512, programs_per_sm=2, DOT=True), v(4, 1, BN=64, BK=128, programs_per_sm=2, DOT=True),
            v(8, 1, BN=32, BK=512, programs_per_sm=1, DOT=True), v(4, 1, BN=16, BK=256, programs_per_sm=4, DOT=True),
            v(4, 3, BN=32, BK=256, programs_per_sm=2, DOT=True), v(8, 1, BN=64, BK=256, programs_per_sm=1, DOT=True)]
-    # One bf16 token on fp8 tensor cores (config TC8, kernels_gemv._gemv_tc8_kernel): the codes as the left
-    # operand, the token as two e4m3 terms; num_stages slices in flight through shared memory
-    tc8 = [v(4, 3, BN=64, BK=256, programs_per_sm=1, TC8=True), v(4, 4, BN=64, BK=128, programs_per_sm=2, TC8=True),
-           v(4, 4, BN=128, BK=128, programs_per_sm=1, TC8=True), v(4, 5, BN=64, BK=128, programs_per_sm=1, TC8=True),
-           v(4, 3, BN=64, BK=512, programs_per_sm=1, TC8=True)]
     # PREFETCH: the current config with the first live slice's weights loaded before the PDL wait
     pre = lambda key: dict(kernels_base.CONFIGS[key], PREFETCH=True)
     return {
@@ -68,10 +63,10 @@ def tune_table(s):
             v(4, 1, BN=8, BK=1024, programs_per_sm=2), v(4, 1, BN=2, BK=4096, programs_per_sm=2),
             v(4, 1, BN=4, BK=2048, programs_per_sm=4), v(4, 1, BN=16, BK=1024, programs_per_sm=2),
             v(8, 1, BN=8, BK=2048, programs_per_sm=2), v(4, 1, BN=8, BK=1024, programs_per_sm=3),
-            v(8, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=512, programs_per_sm=4), *dot, *tc8]),
+            v(8, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=512, programs_per_sm=4), *dot]),
         "gemv_mn_1_fp8": (lambda: case_q(s, 1, True, fp8=True), [
             v(8, 1, BN=8, BK=2048, programs_per_sm=2), v(4, 1, BN=4, BK=1024, programs_per_sm=4),
-            v(4, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=1024, programs_per_sm=3), *dot, *tc8]),
+            v(4, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=1024, programs_per_sm=3), *dot]),
         # F16 (gemm_k's tensor-core tile on fp8 codes): 0 codes -> bf16, 1 codes -> f16 -> bf16 (the default),
         # 2 codes and activations as f16
         "gemm_k_small_long_k_fp8": (lambda: case_k(s, 1, FFN, s.ffn_gs, "down", fp8=True), [

@@ -270,25 +270,6 @@ def test_qkv_gemv_with_rope_in_its_epilogue_still_never_reads_a_dead_groups_rows
     assert torch.equal(rec.reads("_gemv_mn_kernel", "w"), per_row(live, K))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "gate+up"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_tensor_core_fp8_gemv_reads_a_live_groups_codes_once_and_never_a_dead_groups(kind, fused):
-    # one bf16 token on fp8 tensor cores (config TC8): groups of 64 rows, its smallest tile; K = 96 is not
-    # a multiple of BK = 64, so the last slice's lanes past K must stay unread too
-    G, gs, K = 4, 64, 96
-    mask = step_mask(kind, 1, G)
-    w, ws = weight("fp8", G * gs, K, seed=1)
-    w_up, wus = weight("fp8", G * gs, K, seed=2) if fused else (None, None)
-    cfg = dict(BN=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=1, TC8=True)
-    with recorded_loads() as rec:
-        kernels.gemm_mn(randn(1, K).to(torch.bfloat16), w, mask, gs, w_up=w_up, w_scale=ws, w_up_scale=wus,
-                        config=cfg)
-    want = mask.any(0).long().repeat_interleave(gs)[:, None].expand(-1, K)
-    assert torch.equal(rec.reads("_gemv_tc8_kernel", "w").long(), want)
-    if fused:
-        assert torch.equal(rec.reads("_gemv_tc8_kernel", "w_up").long(), want)
-
-
 # ----------------------------------------------------------------------------------------------------
 # gemm_k: reduction groups (O projection, down projection)
 
