@@ -214,6 +214,7 @@ def test_cli_run_makes_one_line_of_a_user_error_and_keeps_the_traceback_of_a_bug
     ("eval", "--results", ("--out-dir", "EMPTY")),
     ("research.where", "--results", ("--out-dir", "EMPTY")),
     ("research.mask_union", "--out", ("--out-dir", "EMPTY")),
+    ("research.sass", "--out", ()),
     ("bench.ops", "--out", ("--smoke",)),
 ])
 def test_an_output_directory_that_cannot_be_written_is_one_line_before_any_work(capsys, tmp_path, module, flag, more):

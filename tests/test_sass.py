@@ -1,0 +1,35 @@
+"""research/sass.py: the decode kernels built for sm_90a on a machine without a GPU, read back from the binary."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_every_decode_kernel_compiles_for_hopper_and_reads_back_registers_and_instructions(tmp_path):
+    # in a process of its own without the interpreter, whose block sizes replace the GPU's
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "research.sass", "--out", str(tmp_path / "k")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "k.json").read_text())["rows"]
+    assert [r["key"] for r in rows] == ["gemv_mn_1_fused", "gemv_mn_1_fused_fp8", "gemv_mn_1", "gemv_mn_1_fp8",
+                                        "attn_decode"]
+    for r in rows:
+        assert r["config"].get("num_warps"), "the GPU's block sizes, not the interpreter's"
+        assert 16 <= r["registers"] <= 255 and r["instructions"] == sum(r["ops"].values()) > 100, r["op"]
+        assert r["programs_per_sm"] == min(65536 // (r["registers"] * r["threads"]), 2048 // r["threads"])
+    ops = {r["key"]: r["ops"] for r in rows}
+    # what the binaries must hold: fp8 codes converted by the e4m3 -> f16 instruction, bf16 weights never;
+    # the decode attention's products on tensor cores
+    assert ops["gemv_mn_1_fused_fp8"].get("F2FP.F16.E4M3.UNPACK_B", 0) > 0
+    assert "F2FP.F16.E4M3.UNPACK_B" not in ops["gemv_mn_1_fused"]
+    assert any(op.startswith(("HMMA", "HGMMA")) for op in ops["attn_decode"])
+    assert (tmp_path / "k.md").read_text().startswith("# The one-token decode kernels as compiled for sm_90a")
+
+
+def test_under_the_interpreter_it_stops_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "research.sass", "--out", os.devnull], cwd=ROOT,
+                       env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and r.stderr.strip().count("\n") == 0 and "TRITON_INTERPRET" in r.stderr, r.stderr
