@@ -268,6 +268,10 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     tl.store(optr, (acc / l[:, None]).to(o.dtype.element_ty), mask=act[:, None])
 
 
+# The Triton kernel attention_decode launches, by a public name (research.sass builds it on its own).
+DECODE_KERNEL = _attn_decode_kernel
+
+
 def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, tickets=None):
     """q[B,H,1,d], k/v cache [B,Hkv,L,d], head_mask [B,G], kv_len [B] -> [B,H,1,d].
     kv_len[b] must lie in [1, L] (a decode step's row holds at least its own key; the engine's always do):

@@ -191,6 +191,10 @@ class Rope(NamedTuple):
     tokens_per_row: int    # T of the step (M = B * T)
 
 
+# The Triton kernel gemv_mn launches, by a public name: tools that build it on their own (research.sass) use it.
+GEMV_KERNEL = _gemv_mn_kernel
+
+
 def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope=None):
     """Launch _gemv_mn_kernel for kernels.gemm_mn (x [M <= 16, K]; mask uint8 [M, G]; out [M, N]; ws, wus the
     fp8 scales or placeholders). rope (a Rope): w is Q, K, V; the epilogue rotates Q and K and writes K and V

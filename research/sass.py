@@ -69,7 +69,7 @@ def read_binary(cubin):
 
 
 def gemv_args(cfg, fused, fp8, rope):
-    """_gemv_mn_kernel's arguments for one token: gate+up (fused), or Q with K, V as its tail and RoPE."""
+    """GEMV_KERNEL's arguments for one token: gate+up (fused), or Q with K, V as its tail and RoPE."""
     w = "*fp8e4nv" if fp8 else "*bf16"
     n = H * HD + 2 * HKV * HD if rope else I
     G, GE = (H // 4, 2 * HKV * HD // (4 * HD)) if rope else (I // 128, 0)  # Q: groups of 4 heads (one KV head's)
@@ -96,13 +96,13 @@ def cases():
     for key, fp8 in (("gemv_mn_1_fused", False), ("gemv_mn_1_fused_fp8", True)):
         cfg = kernels_base.CONFIGS[key]
         per_thread = 2 * cfg["BN"] * cfg["BK"] // (32 * cfg["num_warps"])
-        out.append((f"gate+up, {'fp8' if fp8 else 'bf16'}", key, kernels_gemv._gemv_mn_kernel,
+        out.append((f"gate+up, {'fp8' if fp8 else 'bf16'}", key, kernels_gemv.GEMV_KERNEL,
                     gemv_args(cfg, True, fp8, False), per_thread))
     for key, fp8 in (("gemv_mn_1", False), ("gemv_mn_1_fp8", True)):
         cfg = kernels_base.CONFIGS[key]
-        out.append((f"Q, K, V + RoPE, {'fp8' if fp8 else 'bf16'}", key, kernels_gemv._gemv_mn_kernel,
+        out.append((f"Q, K, V + RoPE, {'fp8' if fp8 else 'bf16'}", key, kernels_gemv.GEMV_KERNEL,
                     gemv_args(cfg, False, fp8, True), cfg["BN"] * cfg["BK"] // (32 * cfg["num_warps"])))
-    out.append(("decode attention", "attn_decode", kernels_attention._attn_decode_kernel,
+    out.append(("decode attention", "attn_decode", kernels_attention.DECODE_KERNEL,
                 attention_args(kernels_base.CONFIGS["attn_decode"]), None))
     return out
 
@@ -137,7 +137,10 @@ def main(argv=None):
         top = ", ".join(f"{op} {n}" for op, n in list(r["ops"].items())[:8])
         lines.append(f"| {r['op']} | {r['key']} | {r['registers']} | {r['threads']} | {r['programs_per_sm']} | "
                      f"{r['shared'] / 1024:.0f} | {r['instructions']} | {r['codes_per_step'] or ''} | {top} |")
-    save(args.out, dict(triton=triton.__version__, rows=rows), "\n".join(lines) + "\n")
+    meta = dict(device="none: built for sm_90a (NVIDIA Hopper: H100, H200) on this machine, no GPU used",
+                target="sm_90a", triton=triton.__version__, date=str(datetime.date.today()),
+                command="python -m research.sass")
+    save(args.out, dict(meta=meta, rows=rows), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -21,7 +21,9 @@ def test_every_decode_kernel_compiles_for_hopper_and_reads_back_registers_and_in
     r = subprocess.run([sys.executable, "-m", "research.sass", "--out", str(tmp_path / "k")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = json.loads((tmp_path / "k.json").read_text())["rows"]
+    data = json.loads((tmp_path / "k.json").read_text())
+    assert data["meta"]["target"] == "sm_90a" and "no GPU" in data["meta"]["device"]
+    rows = data["rows"]
     assert [r["key"] for r in rows] == ["gemv_mn_1_fused", "gemv_mn_1_fused_fp8", "gemv_mn_1", "gemv_mn_1_fp8",
                                         "attn_decode"]
     for r in rows:
