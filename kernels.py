@@ -69,7 +69,7 @@ def gptq_fp8(w, hessian, damp=0.01, block=128):
     h = hessian.detach().double().clone()
     if not torch.isfinite(h).all():  # inf/NaN activations on a calibration batch: no rounding can follow them
         raise cli.UserError("gptq_fp8: the hessian has inf or NaN entries (the calibration activations overflowed); "
-                         "calibrate in float32 or use --weights fp8 (round to nearest)")
+                            "use --weights fp8 (codes rounded to nearest), or calibrate a float32 copy of the model")
     idle = h.diagonal() == 0  # an input always 0 (even every input, behind groups skipped on every calibration token)
     h[idle, idle] = 1.0
     h += damp * h.diagonal().mean() * torch.eye(K, dtype=h.dtype, device=h.device)

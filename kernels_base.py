@@ -169,17 +169,6 @@ def codes_f32(w, FP8: tl.constexpr):
 
 
 @triton.jit
-def round_e4m3(q):
-    """q (fp32, |q| <= 448) rounded to the nearest e4m3 value, ties to even, as an fp32, in integer and fp32
-    arithmetic, so that the conversion to e4m3 that follows is exact on every backend (the interpreter's own
-    conversion rounds wrongly where the carry reaches the exponent)."""
-    b = q.to(tl.int32, bitcast=True)  # normal e4m3 values: keep 3 of fp32's 23 mantissa bits
-    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    tiny = (q + 24576.0) - 24576.0  # below 2^-6, e4m3's subnormals: multiples of 2^-9 (fp32's step at 1.5 * 2^14)
-    return tl.where(tl.abs(q) < 0.015625, tiny, normal)
-
-
-@triton.jit
 def prior_done(PDL: tl.constexpr):
     """PDL: wait until the previous kernel on the stream has finished (its writes visible), then let the
     next kernel launch. Without PDL (and under the interpreter) nothing: stream order already did it."""

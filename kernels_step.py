@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels import FP8, Fp8Rows, quantize_fp8
-from kernels_base import INTERPRET, check_device, config_for, empty, launch_args, pdl_args, prior_done, round_e4m3
+from kernels_base import INTERPRET, check_device, config_for, empty, launch_args, pdl_args, prior_done
 from model import apply_rope
 from policy import NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE
 
@@ -56,10 +56,15 @@ def _e4m3(v, ok):
     """One row held in registers (fp32, masked by ok) as fp8: scale = max |v| / 448 (1 for a row of zeros)
     and v / scale rounded to the nearest e4m3 value, ties to even, as an fp32 (quantize_fp8's rule). The
     rounding is done here, in integer and fp32 arithmetic, so that the conversion to e4m3 that follows is
-    exact on every backend (kernels_base.round_e4m3)."""
+    exact on every backend (the interpreter's own conversion rounds wrongly where the carry reaches the
+    exponent)."""
     amax = tl.max(tl.where(ok, tl.abs(v), 0.0), 0)
     scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    return round_e4m3(tl.minimum(tl.maximum(v / scale, -448.0), 448.0)), scale
+    q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+    b = q.to(tl.int32, bitcast=True)  # normal e4m3 values: keep 3 of fp32's 23 mantissa bits
+    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    tiny = (q + 24576.0) - 24576.0  # below 2^-6, e4m3's subnormals: multiples of 2^-9 (fp32's step at 1.5 * 2^14)
+    return tl.where(tl.abs(q) < 0.015625, tiny, normal), scale
 
 
 @triton.jit
