@@ -103,11 +103,25 @@ def _gemv_qkv_out(q_out, k_dst, v_dst, cos, sin, slot, mask, res, t, g, n, M, G,
 
 
 @triton.jit
+def _gemv_chunk_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, k_dst, v_dst, cos, sin, slot, NQ, NK, T,
+                    sdb, sdh, sdt, BT: tl.constexpr, BN: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr,
+                    HALF: tl.constexpr):
+    # A finished chunk's sums [BT, BN] to their outputs: Q, K, V with RoPE and the cache write, or the rest.
+    if HALF > 0:
+        if FP8:
+            res = res * tl.load(ws + n)[None, :]
+        _gemv_qkv_out(out, k_dst, v_dst, cos, sin, slot, mask, res, t, g, n, M, G, NQ, NK, T, sdb, sdh, sdt,
+                      BT, BN, HALF)
+    else:
+        _gemv_mn_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, FUSED, FP8)
+
+
+@triton.jit
 def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, sxm, swn, som,
                     cos, sin, slot, k_dst, v_dst, NQ, NK, T, sdb, sdh, sdt,
                     GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-                    HALF: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr):
+                    HALF: tl.constexpr, EVICT: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr):
     """Decode gemm_mn (M <= BT tokens): the weight rows of groups no token runs are never read.
 
     Grid (P,), persistent. The live chunks (BN rows of a live group) are shared out evenly, whole chunks
@@ -119,8 +133,10 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
     are multiplied by each row's scale (ws, wus) in the epilogue, before the SwiGLU. HALF > 0 (Q, K, V of
     a decode step): the epilogue also applies RoPE and writes K and V into the cache (_gemv_qkv_out; out
     is then Q alone, NQ wide), so no separate RoPE launch; twin kernels_step.rope_and_store_ref after
-    kernels.gemm_mn_ref. PDL: see kernels_base.prior_done (the mask is the previous
-    kernel's). Twin: kernels.gemm_mn_ref.
+    kernels.gemm_mn_ref. PIPE > 0 (one token): the loop instead keeps PIPE steps' tiles in flight through
+    shared memory (Triton's software pipeline, not registers) and sums [BN, BK] products lane by lane, reduced
+    once per chunk rather than every step, so registers no longer cap the bytes in flight. PDL: see
+    kernels_base.prior_done (the mask is the previous kernel's). Twin: kernels.gemm_mn_ref.
     """
     prior_done(PDL)
     pid, P = tl.program_id(0), tl.num_programs(0)
@@ -140,38 +156,47 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
     KS = tl.cdiv(K, BK)
     C = n_live * (GS // BN)  # live chunks, shared out evenly
     begin, end = pid * C // P * KS, (pid + 1) * C // P * KS
-    if BT == 1:
-        acc = tl.zeros([BN], tl.float32)
-        acc_up = tl.zeros([BN], tl.float32)
+    if PIPE > 0:  # one token, [BN, BK] lane sums, tiles in flight through shared memory
+        acc = tl.zeros([BN, BK], tl.float32)
+        acc_up = tl.zeros([BN, BK], tl.float32)
+        for step in tl.range(begin, end, num_stages=PIPE):
+            a, b, bu, g, n = _gemv_mn_block(x, w, w_up, lst, step, end, t, M, K, KS, sxm, swn, GS, BN, BK, FUSED,
+                                            HALF, EVICT)
+            acc += codes_f32(b, FP8) * a.to(tl.float32)
+            if FUSED:
+                acc_up += codes_f32(bu, FP8) * a.to(tl.float32)
+            if step % KS == KS - 1:  # chunk done: epilogue
+                _gemv_chunk_out(out, ws, wus, mask, tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], t, g, n, M,
+                                G, som, k_dst, v_dst, cos, sin, slot, NQ, NK, T, sdb, sdh, sdt, BT, BN, FUSED, FP8, HALF)
+                acc = tl.zeros([BN, BK], tl.float32)
+                acc_up = tl.zeros([BN, BK], tl.float32)
     else:
-        acc = tl.zeros([BT, BN], tl.float32)
-        acc_up = tl.zeros([BT, BN], tl.float32)
-    a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_mn_block(x, w, w_up, lst, begin, end, t, M, K, KS, sxm,
-                                                   swn, GS, BN, BK, FUSED, HALF, EVICT)
-    for step in range(begin, end):
-        a, b, bu, g, n = a_nx, b_nx, bu_nx, g_nx, n_nx
-        a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_mn_block(x, w, w_up, lst, step + 1, end, t, M, K, KS,
-                                                       sxm, swn, GS, BN, BK, FUSED, HALF, EVICT)
         if BT == 1:
-            acc += tl.sum(codes_f32(b, FP8) * a.to(tl.float32), 1)
-            if FUSED:
-                acc_up += tl.sum(codes_f32(bu, FP8) * a.to(tl.float32), 1)
+            acc = tl.zeros([BN], tl.float32)
+            acc_up = tl.zeros([BN], tl.float32)
         else:
-            acc = _gemv_dot(a, b, acc, FP8, IEEE)
-            if FUSED:
-                acc_up = _gemv_dot(a, bu, acc_up, FP8, IEEE)
-        if step % KS == KS - 1:  # chunk done: epilogue
-            res = acc if BT > 1 else acc[None, :]
-            if HALF > 0:
-                if FP8:
-                    res = res * tl.load(ws + n)[None, :]
-                _gemv_qkv_out(out, k_dst, v_dst, cos, sin, slot, mask, res, t, g, n, M, G, NQ, NK, T, sdb, sdh,
-                              sdt, BT, BN, HALF)
+            acc = tl.zeros([BT, BN], tl.float32)
+            acc_up = tl.zeros([BT, BN], tl.float32)
+        a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_mn_block(x, w, w_up, lst, begin, end, t, M, K, KS, sxm,
+                                                       swn, GS, BN, BK, FUSED, HALF, EVICT)
+        for step in range(begin, end):
+            a, b, bu, g, n = a_nx, b_nx, bu_nx, g_nx, n_nx
+            a_nx, b_nx, bu_nx, g_nx, n_nx = _gemv_mn_block(x, w, w_up, lst, step + 1, end, t, M, K, KS,
+                                                           sxm, swn, GS, BN, BK, FUSED, HALF, EVICT)
+            if BT == 1:
+                acc += tl.sum(codes_f32(b, FP8) * a.to(tl.float32), 1)
+                if FUSED:
+                    acc_up += tl.sum(codes_f32(bu, FP8) * a.to(tl.float32), 1)
             else:
-                _gemv_mn_out(out, ws, wus, mask, res, acc_up if BT > 1 else acc_up[None, :], t, g, n, M, G, som,
-                             FUSED, FP8)
-            acc = acc * 0.0
-            acc_up = acc_up * 0.0
+                acc = _gemv_dot(a, b, acc, FP8, IEEE)
+                if FUSED:
+                    acc_up = _gemv_dot(a, bu, acc_up, FP8, IEEE)
+            if step % KS == KS - 1:  # chunk done: epilogue
+                _gemv_chunk_out(out, ws, wus, mask, acc if BT > 1 else acc[None, :],
+                                acc_up if BT > 1 else acc_up[None, :], t, g, n, M, G, som, k_dst, v_dst, cos, sin,
+                                slot, NQ, NK, T, sdb, sdh, sdt, BT, BN, FUSED, FP8, HALF)
+                acc = acc * 0.0
+                acc_up = acc_up * 0.0
     D = (G + GE - n_live) * (GS // BN)  # dead groups' chunks, shared out the same way: zeros only
     for c in range(pid * D // P, (pid + 1) * D // P):
         n = _gemv_rows(tl.load(lst + n_live + c * BN // GS), c, GS, BN, HALF)
@@ -227,6 +252,7 @@ def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope
                           rope.tokens_per_row if rope else 1, kc.stride(0), kc.stride(1) if rope else 0,
                           kc.stride(2) if rope else 0, GS=group_size, GP=GP,
                           BT=BT, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8, IEEE=x.dtype == torch.float32,
-                          HALF=half, EVICT=cfg.get("evict", ""), **launch_args(cfg),
+                          HALF=half, EVICT=cfg.get("evict", ""), PIPE=cfg.get("PIPE", 0) if BT == 1 else 0,
+                          **launch_args(cfg),
                           **pdl_args(x.device))
     return out

@@ -34,6 +34,12 @@ def tune_table(s):
            v(4, 1, BN=16, BK=512, programs_per_sm=2, DOT=True), v(4, 1, BN=64, BK=128, programs_per_sm=2, DOT=True),
            v(8, 1, BN=32, BK=512, programs_per_sm=1, DOT=True), v(4, 1, BN=16, BK=256, programs_per_sm=4, DOT=True),
            v(4, 3, BN=32, BK=256, programs_per_sm=2, DOT=True), v(8, 1, BN=64, BK=256, programs_per_sm=1, DOT=True)]
+    # One token with config PIPE: [BN, BK] lane sums, PIPE tiles in flight through shared memory
+    pipe = lambda warps, stages, bn, bk, per_sm: v(warps, stages, BN=bn, BK=bk, programs_per_sm=per_sm, PIPE=stages)
+    pipe_fused = [pipe(4, 4, 16, 256, 2), pipe(4, 4, 32, 256, 1), pipe(4, 4, 32, 256, 2), pipe(4, 4, 16, 512, 2),
+                  pipe(4, 4, 8, 512, 4), pipe(4, 6, 16, 256, 2), pipe(8, 4, 32, 256, 1), pipe(4, 3, 16, 256, 3)]
+    pipe_one = [pipe(4, 4, 16, 512, 2), pipe(4, 4, 32, 512, 1), pipe(4, 4, 16, 256, 2), pipe(4, 4, 8, 512, 4),
+                pipe(4, 4, 32, 256, 2), pipe(4, 6, 16, 512, 2), pipe(8, 4, 32, 512, 1)]
     # PREFETCH: the current config with the first live slice's weights loaded before the PDL wait
     pre = lambda key: dict(kernels_base.CONFIGS[key], PREFETCH=True)
     return {
@@ -43,12 +49,12 @@ def tune_table(s):
                                                          v(4, 1, BN=4, BK=1024, programs_per_sm=3),
                                                          v(4, 1, BN=4, BK=2048, programs_per_sm=2),
                                                          v(4, 1, BN=2, BK=2048, programs_per_sm=8),
-                                                         v(4, 1, BN=8, BK=1024, programs_per_sm=4)]),
+                                                         v(4, 1, BN=8, BK=1024, programs_per_sm=4), *pipe_fused]),
         "gemm_k": (lambda: case_k(s, M, FFN, s.ffn_gs, "down"), [v(8, 4, BM=128, BN=128, BK=64)]),
         "gemv_mn_1": (lambda: case_q(s, 1, True), [v(4, 1, BN=4, BK=1024, programs_per_sm=4),
                                                    v(4, 1, BN=4, BK=2048, programs_per_sm=2),
                                                    v(4, 1, BN=2, BK=2048, programs_per_sm=4),
-                                                   v(4, 1, BN=8, BK=1024, programs_per_sm=2)]),
+                                                   v(4, 1, BN=8, BK=1024, programs_per_sm=2), *pipe_one]),
         "gemm_k_small_long_k": (lambda: case_k(s, 1, FFN, s.ffn_gs, "down"), [
             v(4, 6, BM=16, BN=64, BK=128, SPLIT=8), v(4, 4, BM=16, BN=128, BK=128, SPLIT=8),
             v(4, 6, BM=16, BN=64, BK=64, SPLIT=8), v(4, 6, BM=16, BN=128, BK=128, SPLIT=4), *fma,
@@ -63,10 +69,10 @@ def tune_table(s):
             v(4, 1, BN=8, BK=1024, programs_per_sm=2), v(4, 1, BN=2, BK=4096, programs_per_sm=2),
             v(4, 1, BN=4, BK=2048, programs_per_sm=4), v(4, 1, BN=16, BK=1024, programs_per_sm=2),
             v(8, 1, BN=8, BK=2048, programs_per_sm=2), v(4, 1, BN=8, BK=1024, programs_per_sm=3),
-            v(8, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=512, programs_per_sm=4), *dot]),
+            v(8, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=512, programs_per_sm=4), *dot, *pipe_fused]),
         "gemv_mn_1_fp8": (lambda: case_q(s, 1, True, fp8=True), [
             v(8, 1, BN=8, BK=2048, programs_per_sm=2), v(4, 1, BN=4, BK=1024, programs_per_sm=4),
-            v(4, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=1024, programs_per_sm=3), *dot]),
+            v(4, 1, BN=16, BK=1024, programs_per_sm=2), v(4, 1, BN=8, BK=1024, programs_per_sm=3), *dot, *pipe_one]),
         # F16 (gemm_k's tensor-core tile on fp8 codes): 0 codes -> bf16, 1 codes -> f16 -> bf16 (the default),
         # 2 codes and activations as f16
         "gemm_k_small_long_k_fp8": (lambda: case_k(s, 1, FFN, s.ffn_gs, "down", fp8=True), [

@@ -69,9 +69,11 @@ def test_rope_and_store_kernel_matches_twin(B, T, H, Hkv, d):
 
 @pytest.mark.parametrize("B, T, H, Hkv, d, G", [(1, 1, 4, 2, 16, 2), (3, 1, 8, 2, 16, 4), (2, 2, 4, 4, 32, 4)])
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
-def test_qkv_gemv_with_rope_in_its_epilogue_equals_the_projection_then_rope_and_store(B, T, H, Hkv, d, G, fp8):
+@pytest.mark.parametrize("pipe", [0, 3], ids=["fma", "pipe"])
+def test_qkv_gemv_with_rope_in_its_epilogue_equals_the_projection_then_rope_and_store(B, T, H, Hkv, d, G, fp8, pipe):
     # One launch for Q, K, V of a decode-sized step: the GEMV's epilogue rotates Q and K and writes K and V
     # into the cache. It must equal gemm_mn (Q's skipped groups 0, K and V its dense tail), then rope_and_store.
+    # pipe: one token's pipelined loop (config PIPE) ends in the same epilogue.
     cfg = ModelConfig(dim=H * d, n_heads=H, n_kv_heads=Hkv, max_seq_len=32)
     m = Transformer(cfg).to(DEV)
     M, L, D, nq, nk = B * T, 24, 48, H * d, Hkv * d
@@ -89,7 +91,7 @@ def test_qkv_gemv_with_rope_in_its_epilogue_equals_the_projection_then_rope_and_
         c.k_cache.copy_(randn(B, Hkv, L, d, seed=5))
         c.v_cache.copy_(randn(B, Hkv, L, d, seed=6))
     rope = kernels_gemv.Rope(cos, sin, step.slot, caches[0].k_cache, caches[0].v_cache, nq, nk, T)
-    got = kernels.gemm_mn(x, w, mask, gs, dense_tail=2 * nk, w_scale=ws, rope=rope)
+    got = kernels.gemm_mn(x, w, mask, gs, dense_tail=2 * nk, w_scale=ws, rope=rope, config=dict(PIPE=pipe))
     qkv = kernels.gemm_mn_ref(x, w, mask, gs, dense_tail=2 * nk, w_scale=ws)
     ref = kernels_step.rope_and_store_ref(qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:], step,
                                           caches[1].k_cache, caches[1].v_cache, H, Hkv, d)

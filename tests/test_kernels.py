@@ -139,15 +139,17 @@ def test_decode_gemm_mn_computes_a_dense_tail_after_the_routed_groups(M, p_on):
     assert (out[:, :48][~mask.repeat_interleave(16, 1)] == 0).all()
 
 
-@pytest.mark.parametrize("dot", [False, True], ids=["fma", "dot"])
+@pytest.mark.parametrize("loop", ["fma", "dot", "pipe"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "gate+up"])
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("per_sm", [1, 5])  # 2 or 10 programs (two "SMs" under the interpreter)
 def test_decode_gemv_shares_the_live_chunks_over_any_number_of_programs_and_matches_twin(launches, per_sm, M, fused,
-                                                                                       fp8, dot):
+                                                                                       fp8, loop):
     # The programs share the live chunks out, whole chunks each (some get none when there are more programs
     # than chunks). dot: one token on the 16-row tensor-core tile (config DOT; more tokens always take it).
+    # pipe: one token's lane sums with tiles pipelined through shared memory (config PIPE; more tokens ignore it).
+    dot = loop == "dot"
     gen = torch.Generator().manual_seed(30 + per_sm + M)
     G, GS, K, tail = 5, 16, 80, 16  # K = 80 in slices of 32: three steps per chunk, the last one short
     x = randn(M, K, gen=gen)
@@ -160,11 +162,13 @@ def test_decode_gemv_shares_the_live_chunks_over_any_number_of_programs_and_matc
         w, ws = kernels.quantize_fp8(w)
         w_up, wus = kernels.quantize_fp8(w_up) if fused else (None, None)
     out = kernels.gemm_mn(x, w, mask, GS, w_up=w_up, dense_tail=tail, w_scale=ws, w_up_scale=wus,
-                          config=dict(programs_per_sm=per_sm, BN=8, BK=32, DOT=dot))
+                          config=dict(programs_per_sm=per_sm, BN=8, BK=32, DOT=dot, PIPE=3 if loop == "pipe" else 0))
     assert_close(out, kernels.gemm_mn_ref(x, w, mask, GS, w_up=w_up, dense_tail=tail, w_scale=ws, w_up_scale=wus))
     tile = launches.constants["gemv_mn_kernel"][0]["BT"]
     want = 1 if M == 1 and not dot else policy.GEMV_MAX_TOKENS
     assert tile == want, "one token: FMAs, unless DOT takes the 16-row tile"
+    pipe = launches.constants["gemv_mn_kernel"][0]["PIPE"]
+    assert pipe == (3 if loop == "pipe" and M == 1 else 0), "PIPE is one token's loop only"
 
 
 @pytest.mark.parametrize("M", [1, 4])
@@ -419,7 +423,8 @@ def test_gpu_bf16_gemms(M):
 @GPU
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("shape", ["gate+up", "qkv"])
-@pytest.mark.parametrize("config", [None, dict(DOT=True, BN=32, BK=256, programs_per_sm=2)], ids=["tuned", "dot"])
+@pytest.mark.parametrize("config", [None, dict(DOT=True, BN=32, BK=256, programs_per_sm=2),
+                                    dict(PIPE=4, BN=16, BK=256, programs_per_sm=2)], ids=["tuned", "dot", "pipe"])
 def test_gpu_one_token_gemv_mn_at_full_size_matches_twin(fp8, shape, config):
     # The decode GEMV at the Llama-3.1-8B shapes (hundreds of programs); each mask twice. dot: one token on
     # the 16-row tensor-core tile.
