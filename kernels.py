@@ -301,7 +301,8 @@ def _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
     # One BK slice of group g: a-rows of tokens that do not run g are predicated off
     # (intra-block skip; those slots are never read, so garbage there is harmless).
     # BM == 1 (one token, config FMA): fp32 multiply-adds instead of a 16-row tensor-core tile, which
-    # would convert every weight (fp8 codes too) for 15 rows of padding.
+    # would convert every weight (fp8 codes too) for 15 rows of padding; acc is then [BN, BK] lane sums,
+    # reduced once after the loop rather than every step.
     k0 = g * GS + step * BK
     kk = tl.arange(0, BK)
     on = tl.load(mask + rows * G + g, mask=rok, other=0) > 0
@@ -324,7 +325,7 @@ def _gemm_k_first(acc, a, wt, mask, rows, rok, g, step, G, sam, GS: tl.constexpr
 @triton.jit
 def _gemm_k_math(acc, at, wt, BM: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
     if BM == 1:
-        acc += tl.sum(codes_f32(wt, F16 > 0) * at.to(tl.float32), 1)[None, :]
+        acc += codes_f32(wt, F16 > 0) * at.to(tl.float32)
     elif F16 == 2:  # fp8 codes and activations as f16 (exact for bf16 values within f16's range, |a| < 65504)
         acc = tl.dot(at.to(tl.float16), tl.trans(wt.to(tl.float16)), acc)
     elif F16 == 1:  # fp8 codes -> f16 (exact, and one conversion per two codes) -> the activations' dtype (exact)
@@ -393,7 +394,10 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, 
         if n_live < G:  # compact the live groups once into this program's scratch row
             tl.store(lst + tl.cumsum(on, 0) - 1, gg, mask=on > 0)
             tl.debug_barrier()
-    acc = tl.zeros([BM, BN], tl.float32)
+    if BM == 1:  # lane sums (_gemm_k_math)
+        acc = tl.zeros([BN, BK], tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], tl.float32)
     if n_live == G:  # every group is live (the usual case at random masks): plain K loop
         per = tl.cdiv(G, SPLIT)
         lo, hi = split * per * STEPS, tl.minimum(split * per + per, G) * STEPS
@@ -416,6 +420,8 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, 
         for it in range(lo, hi):
             acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
                                it % STEPS, G, sam, swn, GS, BM, BK, IEEE, F16)
+    if BM == 1:
+        acc = tl.sum(acc, 1)[None, :]
     ok = rok[:, None] & cok[None, :]
     offs = rows[:, None] * som + cols[None, :]
     if SPLIT > 1:
