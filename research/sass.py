@@ -27,6 +27,7 @@ import kernels_gemv
 from bench.common import save
 
 D, I, H, HKV, HD, CTX = 4096, 14336, 32, 8, 128, 1024  # Llama-3.1-8B; a 1k-token cache
+SHARED_PER_SM = 228 * 1024  # Hopper's shared memory per SM (config PIPE's tiles in flight live there)
 
 
 def compile_sm90(fn, args, num_warps, num_stages):
@@ -79,7 +80,8 @@ def gemv_args(cfg, fused, fp8, rope):
                 slot="*i32", k_dst="*bf16", v_dst="*bf16", NQ=H * HD if rope else 0, NK=HKV * HD if rope else 0, T=1,
                 sdb=HKV * CTX * HD, sdh=CTX * HD if rope else 0, sdt=HD if rope else 0, GS=gs,
                 GP=triton.next_power_of_2(G + GE), BT=1, BN=kernels_base.pow2_divisor(gs, cfg["BN"]), BK=cfg["BK"],
-                FUSED=fused, FP8=fp8, IEEE=False, HALF=HD // 2 if rope else 0, EVICT=cfg.get("evict", ""), PDL=1)
+                FUSED=fused, FP8=fp8, IEEE=False, HALF=HD // 2 if rope else 0, EVICT=cfg.get("evict", ""),
+                PIPE=cfg.get("PIPE", 0), PDL=1)
 
 
 def attention_args(cfg):
@@ -122,14 +124,15 @@ def main(argv=None):
         regs, ops = read_binary(k.asm["cubin"])
         threads = 32 * cfg["num_warps"]
         rows.append(dict(op=name, key=key, config=cfg, registers=regs, threads=threads,
-                         programs_per_sm=min(65536 // (regs * threads), 2048 // threads), shared=k.metadata.shared,
+                         programs_per_sm=min(65536 // (regs * threads), 2048 // threads,
+                                             SHARED_PER_SM // max(k.metadata.shared, 1)), shared=k.metadata.shared,
                          instructions=sum(ops.values()), ops=dict(ops.most_common()), codes_per_step=per_thread))
         print(f"{name}: {regs} registers, {sum(ops.values())} instructions", flush=True)
     lines = ["# The one-token decode kernels as compiled for sm_90a", "",
              f"triton {triton.__version__} (its ptxas and cuobjdump), {datetime.date.today()}, `python -m research.sass` "
              "(any machine: no GPU is used). Llama-3.1-8B shapes, "
              "bf16 activations, the sizes of kernels_base.CONFIGS. Counts are static: every instruction of the binary "
-             "once (loop body, prologue, epilogue). 'programs per SM' is what the registers allow (65536 per SM); "
+             "once (loop body, prologue, epilogue). 'programs per SM' is what the registers (65536 per SM) and shared memory (228 KB) allow; "
              "'weights per step' is the weight elements one thread reads in one step of the GEMV's loop.", "",
              "| op | CONFIGS key | registers | threads | programs per SM | shared KB | instructions | weights per step "
              "| most frequent |", "|---|---|---|---|---|---|---|---|---|"]
