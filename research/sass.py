@@ -132,7 +132,8 @@ def main(argv=None):
              f"triton {triton.__version__} (its ptxas and cuobjdump), {datetime.date.today()}, `python -m research.sass` "
              "(any machine: no GPU is used). Llama-3.1-8B shapes, "
              "bf16 activations, the sizes of kernels_base.CONFIGS. Counts are static: every instruction of the binary "
-             "once (loop body, prologue, epilogue). 'programs per SM' is what the registers (65536 per SM) and shared memory (228 KB) allow; "
+             "once (loop body, prologue, epilogue). 'programs per SM' is what the registers (65536 per SM) and "
+             "shared memory (228 KB) allow; "
              "'weights per step' is the weight elements one thread reads in one step of the GEMV's loop.", "",
              "| op | CONFIGS key | registers | threads | programs per SM | shared KB | instructions | weights per step "
              "| most frequent |", "|---|---|---|---|---|---|---|---|---|"]
