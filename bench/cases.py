@@ -380,13 +380,16 @@ def check(case, mask, config=None):
     return dict(rel_err=err, pruned_zero=zeros, nan_free=nan_free)
 
 
-def command_line(doc, script, results, only, argv=None):
-    """The command line of bench/ops.py and bench/tune.py (--only, --out, --smoke), checked, then the device
-    check: (args, argv, the Setup to run)."""
+def command_line(doc, script, results, only, argv=None, having=False):
+    """The command line of bench/ops.py and bench/tune.py (--only, --out, --smoke; --having: tune's), checked,
+    then the device check: (args, argv, the Setup to run)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     p = common.parser(doc, script, results)
     p.add_argument("--only", type=lambda v: [w for w in v.split(",") if w], default=[],
                    help=f"only the {only} whose name contains one of these (comma-separated)")
+    if having:
+        p.add_argument("--having", default=None, help="only the variants whose config sets this name (e.g. PIPE); "
+                       "the current config is always timed first")
     args = p.parse_args(argv)
     common.prepare(args, script, argv, results)
     return args, argv, smoke_setup() if args.smoke else gpu_setup()

@@ -5,6 +5,7 @@ live and 50% skipped) and timed as bench/ops.py times that op (decode-sized ops 
     python -m bench.tune              # every CONFIGS key below -> results/kernels_h200_tune.{json,md}
     python -m bench.tune --only fp8   # only the keys whose name contains "fp8"
     python -m bench.tune --only fp8,gemm_k_small   # ... "fp8" or "gemm_k_small"
+    python -m bench.tune --only gemv_mn_1 --having PIPE   # ... and of their variants only those with PIPE
     TRITON_INTERPRET=1 python -m bench.tune --smoke   # each key's first and last variant on the CPU (CI)
 
 The variants are passed to the ops as config= (CONFIGS itself is never rewritten); a key's first row is
@@ -133,7 +134,7 @@ def run_tune(s, args, argv):
                             dense_ms=dense_ms, baseline=case.baseline[0], others_ms=others,
                             current=kernels_base.CONFIGS[key.split()[0]], variants=[])
         current = kernels_base.CONFIGS[key.split()[0]]
-        todo = [dict(current)] + [v for v in variants if v != current]
+        todo = [dict(current)] + [v for v in variants if v != current and (not args.having or args.having in v)]
         for v in todo[:1] + todo[-1:] if s.smoke else todo:  # --smoke: the code path (first, last), not the width
             try:
                 checks = [check(case, full, v), check(case, half, v)]
@@ -163,7 +164,7 @@ def run_tune(s, args, argv):
 
 
 def main(argv=None):
-    args, argv, s = command_line(__doc__, "-m bench.tune", "kernels_h200_tune", "CONFIGS keys", argv)
+    args, argv, s = command_line(__doc__, "-m bench.tune", "kernels_h200_tune", "CONFIGS keys", argv, having=True)
     return run_tune(s, args, argv)
 
 

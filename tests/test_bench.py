@@ -181,6 +181,14 @@ def test_tune_sweeps_the_fp8_keys_on_fp8_weights_with_an_fma_variant(tmp_path):
     assert any(v["config"].get("FMA") for v in data["results"]["gemm_k_small_fp8"]["variants"])
 
 
+def test_tune_having_keeps_the_current_config_and_only_the_variants_that_set_the_name(tmp_path):
+    data, _ = smoke(tmp_path, "bench.tune", "--only", "gemv_mn_1_fp8", "--having", "DOT")
+    (r,) = data["results"].values()
+    first, last = r["variants"]  # --smoke: the first and the last of the kept ones (DOT's are not the sweep's last)
+    assert first["config"] == r["current"] and "DOT" not in r["current"]
+    assert last["config"].get("DOT") and "failed" not in last and last["rel_err"] <= 1e-2
+
+
 def test_e2e_rows_carry_dense_bandwidth_and_the_byte_limit(e2e_run):
     data, md = e2e_run
     assert_meta(data, "bench.e2e")
