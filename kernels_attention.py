@@ -177,7 +177,7 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
                         sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
                         HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, H2: tl.constexpr,
                         BJ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr,
-                        D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                        MB: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """Split-KV decode attention (one query token per row) over a work list of live items only.
 
     The work is a list of items (row b, KV head, chunk of that row's cached keys), built in every
@@ -190,7 +190,8 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     The merge is in the same launch: a pair cut into several chunks stores each chunk's normalised partial
     and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (in chunk order,
     so the result does not depend on which finished last) and resets the ticket. At most MC chunks per pair
-    (longer chunks instead), so that merge stays short. PDL: see kernels_base.prior_done.
+    (longer chunks instead), so that merge stays short; it loads MB chunks' partials at a time (each load a
+    round trip to L2 that the merge waits on; more at once cost registers). PDL: see kernels_base.prior_done.
     Twin: attention_decode_ref.
     """
     prior_done(PDL)
@@ -253,17 +254,21 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     if tl.atomic_add(tickets + pj, 1) != items - 1:
         return
     tl.atomic_xchg(tickets + pj, 0)  # the pair's last program: reset the ticket, then merge
-    m = tl.full([BH], float("-inf"), tl.float32)  # the pair's chunks in order, one partial at a time:
-    l = tl.zeros([BH], tl.float32)                 # a merge over all MC at once would hold them all in
+    m = tl.full([BH], float("-inf"), tl.float32)  # the pair's chunks in order, MB partials at a time: a
+    l = tl.zeros([BH], tl.float32)                 # merge over all MC at once would hold them all in
     acc = tl.zeros([BH, D], tl.float32)            # registers for the whole kernel and cost it occupancy
-    for it in range(first, first + items):
-        crow = it * HPK + r
-        lse = tl.load(plse + crow, mask=r < HPK, other=0.0, cache_modifier=".cg")
-        part = tl.load(po + crow[:, None] * D + dd[None, :], mask=(r < HPK)[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        old, wgt = tl.exp2(m - m_new), tl.exp2(lse - m_new)
-        acc = acc * old[:, None] + wgt[:, None] * part
-        l = l * old + wgt
+    cb = tl.arange(0, MB)
+    for it in range(first, first + items, MB):
+        cok = (it + cb < first + items)[:, None] & (r < HPK)[None, :]  # [MB, BH]
+        crow = (it + cb)[:, None] * HPK + r[None, :]
+        lse = tl.load(plse + crow, mask=cok, other=0.0, cache_modifier=".cg")
+        lse = tl.where((it + cb < first + items)[:, None], lse, float("-inf"))  # past the pair's last chunk
+        part = tl.load(po + crow[:, :, None] * D + dd[None, None, :], mask=cok[:, :, None], other=0.0,
+                       cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        old, wgt = tl.exp2(m - m_new), tl.exp2(lse - m_new[None, :])
+        acc = acc * old[:, None] + tl.sum(wgt[:, :, None] * part, 0)
+        l = l * old + tl.sum(wgt, 0)
         m = m_new
     tl.store(optr, (acc / l[:, None]).to(o.dtype.element_ty), mask=act[:, None])
 
@@ -304,6 +309,6 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, ticket
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
         (1.0 / math.sqrt(D)) * 1.4426950408889634, HKV=Hkv, HPK=hpk, HPG=H // G,
         H2=triton.next_power_of_2(H), BJ=max(2, triton.next_power_of_2(B * Hkv)),
-        BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"], D=D,
+        BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"], MB=cfg.get("merge_block", 1), D=D,
         IEEE=q.dtype == torch.float32, **launch_args(cfg), **pdl_args(q.device))
     return o

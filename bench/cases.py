@@ -252,8 +252,9 @@ def case_k(s, T, K, gs, name, method="tile", fp8=False):
                 keep=lambda mask: None, baseline=baseline)
 
 
-def case_decode_attention(s):
-    e, B, L, H, HKV, HD = s.dtype.itemsize, s.decode_b, s.decode_l, s.H, s.HKV, s.HD
+def case_decode_attention(s, B=None, L=None):
+    e, H, HKV, HD = s.dtype.itemsize, s.H, s.HKV, s.HD
+    B, L = B or s.decode_b, L or s.decode_l
     nbytes = e * (2 * B * HKV * L * HD + 2 * B * H * HD)
     copies = rotation(s, 1, nbytes, 2 * B * HKV * L * HD * e / nbytes)
     q = torch.randn(B, H, 1, HD, device=s.device, dtype=s.dtype)

@@ -42,6 +42,11 @@ def tune_table(s):
                   pipe(4, 4, 8, 512, 4), pipe(4, 6, 16, 256, 2), pipe(8, 4, 32, 256, 1), pipe(4, 3, 16, 256, 3)]
     pipe_one = [pipe(4, 4, 16, 512, 2), pipe(4, 4, 32, 512, 1), pipe(4, 4, 16, 256, 2), pipe(4, 4, 8, 512, 4),
                 pipe(4, 4, 32, 256, 2), pipe(4, 6, 16, 512, 2), pipe(8, 4, 32, 512, 1)]
+    # decode attention; merge_block: the merge loads that many chunks' partials at a time
+    attn = [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16), v(8, 3, BN=128, programs_per_sm=2),
+            v(4, 3, BN=128, programs_per_sm=4),
+            *[v(w, 2, BN=bn, programs_per_sm=4, max_chunks=16, merge_block=mb)
+              for w, bn, mb in ((8, 128, 4), (8, 128, 8), (4, 64, 8), (4, 64, 16), (8, 64, 8))]]
     # PREFETCH: the current config with the first live slice's weights loaded before the PDL wait
     pre = lambda key: dict(kernels_base.CONFIGS[key], PREFETCH=True)
     return {
@@ -102,8 +107,9 @@ def tune_table(s):
             v(4, 3, BT=64, BK=32, DS=512, FINISH_BK=256, finish_warps=8, PREC="tf32x3"),
             dict(SPLIT_TILE=16)])
             for T in ((20,) if s.smoke else (100, 256, 512, 1024, 2048))},
-        "attn_decode": (lambda: case_decode_attention(s), [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16),
-                                                           v(8, 3, BN=128, programs_per_sm=2), v(4, 3, BN=128, programs_per_sm=4)]),
+        "attn_decode": (lambda: case_decode_attention(s), attn),
+        # batch 1, a 1k cache: a few items per live KV head, so latency (the merge's round trips), not bytes
+        "attn_decode 1x1024": (lambda: case_decode_attention(s, 1, 64 if s.smoke else 1024), attn),
     }
 
 

@@ -147,16 +147,18 @@ def test_kernel_markdown_has_the_table_and_every_target(kernel_run):
 
 def test_tune_times_each_config_passed_to_the_op(tmp_path):
     data, md = smoke(tmp_path, "bench.tune", "--only", "attn_decode")
-    assert list(data["results"]) == ["attn_decode"]
-    variants = data["results"]["attn_decode"]["variants"]
-    assert len(variants) >= 2 and all("failed" not in v and v["ms"] > 0 and v["rel_err"] <= 1e-2 for v in variants)
-    assert variants[0]["config"] == data["results"]["attn_decode"]["current"]  # today's CONFIGS entry first
+    assert list(data["results"]) == ["attn_decode", "attn_decode 1x1024"]  # batch 16 and batch 1
+    for r in data["results"].values():
+        variants = r["variants"]
+        assert len(variants) >= 2 and all("failed" not in v and v["ms"] > 0 and v["rel_err"] <= 1e-2 for v in variants)
+        assert variants[0]["config"] == r["current"]  # today's CONFIGS entry first
+    assert data["results"]["attn_decode"]["variants"][-1]["config"].get("merge_block")
     assert "| attn_decode |" in md and data["meta"]["command"].startswith("python -m bench.tune")
 
 
 def test_tune_takes_several_names_and_checks_the_prefetch_variant(tmp_path):
     data, _ = smoke(tmp_path, "bench.tune", "--only", "attn_decode,gemm_k_small_long_k")
-    assert set(data["results"]) == {"attn_decode", "gemm_k_small_long_k", "gemm_k_small_long_k_fp8"}
+    assert set(data["results"]) == {"attn_decode", "attn_decode 1x1024", "gemm_k_small_long_k", "gemm_k_small_long_k_fp8"}
     last = data["results"]["gemm_k_small_long_k"]["variants"][-1]  # --smoke: the first and the last variant
     assert last["config"].get("PREFETCH") and "failed" not in last and last["rel_err"] <= 1e-2
 

@@ -331,12 +331,15 @@ def test_attention_decode_skips_inactive_kv_heads(p_on):
 # The work list cuts each live (row, KV head)'s keys into chunks sized for about programs_per_sm x SMs
 # items: 64 per SM gives chunks of one key block (many partials, merged by the pair's last program), 1 per
 # SM long chunks (most pairs in one item, written directly); 16 rows of varied lengths in between.
+# merge_block: the merging program loads that many chunks' partials at a time (4: a pair's chunk count is often
+# no multiple of it, so its last block is part empty).
 @pytest.mark.parametrize("per_sm", [64, 4, 1])
 @pytest.mark.parametrize("p_on", [0.25, 1.0])
-def test_attention_decode_work_list_over_rows_of_any_length(per_sm, p_on):
+@pytest.mark.parametrize("merge_block", [1, 4])
+def test_attention_decode_work_list_over_rows_of_any_length(per_sm, p_on, merge_block):
     lengths = [1, 16, 17, 70, 33, 2, 64, 5, 48, 70, 9, 31, 32, 15, 66, 40]
     run_decode(16, 4, 2, 70, 16, 2, p_on, lengths, torch.Generator().manual_seed(per_sm),
-               config=dict(programs_per_sm=per_sm))
+               config=dict(programs_per_sm=per_sm, merge_block=merge_block))
 
 
 def test_attention_decode_group_smaller_than_kv_head():
