@@ -39,9 +39,9 @@ def tune_table(s):
     # One token with config PIPE: [BN, BK] lane sums, PIPE tiles in flight through shared memory
     pipe = lambda warps, stages, bn, bk, per_sm: v(warps, stages, BN=bn, BK=bk, programs_per_sm=per_sm, PIPE=stages)
     pipe_fused = [pipe(4, 4, 16, 256, 2), pipe(4, 4, 32, 256, 1), pipe(4, 4, 32, 256, 2), pipe(4, 4, 16, 512, 2),
-                  pipe(4, 4, 8, 512, 4), pipe(4, 6, 16, 256, 2), pipe(8, 4, 32, 256, 1), pipe(4, 3, 16, 256, 3)]
+                  pipe(4, 4, 8, 512, 4)]
     pipe_one = [pipe(4, 4, 16, 512, 2), pipe(4, 4, 32, 512, 1), pipe(4, 4, 16, 256, 2), pipe(4, 4, 8, 512, 4),
-                pipe(4, 4, 32, 256, 2), pipe(4, 6, 16, 512, 2), pipe(8, 4, 32, 512, 1)]
+                pipe(4, 4, 32, 256, 2)]
     # decode attention; merge_block: the merge loads that many chunks' partials at a time
     attn = [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16), v(8, 3, BN=128, programs_per_sm=2),
             v(4, 3, BN=128, programs_per_sm=4),
