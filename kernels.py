@@ -340,7 +340,7 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, 
                    GS: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, HAS_RES: tl.constexpr,
                    FP8: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr, HAS_LIVE: tl.constexpr,
-                   PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                   PREFETCH: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr):
     """out[t, n] = sum over the groups g that token t runs of a[t, g-slice] . w[n, g-slice].
 
     Grid (cdiv(M,BM) * cdiv(N,BN),), L2-grouped. Tokens stay in their original order, so the
@@ -359,8 +359,9 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, 
     program reads the live list and loads its first weight slice, so its weight stream starts while the
     kernel before it drains. That list is no output of the kernel just before this one (norm_route runs two or
     more launches earlier: attention or the gate+up GEMV come between), and a kernel that starts early always
-    finds the one before its predecessor finished (kernels_base.prior_done). PDL: see kernels_base.prior_done.
-    Twin: gemm_k_ref.
+    finds the one before its predecessor finished (kernels_base.prior_done). PIPE > 0: the K loop keeps PIPE
+    slices in flight through shared memory (for the one-row FMA tile, which has no tl.dot for the compiler to
+    pipeline by itself). PDL: see kernels_base.prior_done. Twin: gemm_k_ref.
     """
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
@@ -405,9 +406,14 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, 
             if lo < hi:
                 acc = _gemm_k_first(acc, a, w0, mask, rows, rok, g0, lo % STEPS, G, sam, GS, BM, BK, IEEE, F16)
             lo += 1
-        for it in range(lo, hi):
-            acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G,
-                               sam, swn, GS, BM, BK, IEEE, F16)
+        if PIPE > 0:  # (a loop without a tl.dot is pipelined only when asked)
+            for it in tl.range(lo, hi, num_stages=PIPE):
+                acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G,
+                                   sam, swn, GS, BM, BK, IEEE, F16)
+        else:
+            for it in range(lo, hi):
+                acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G,
+                                   sam, swn, GS, BM, BK, IEEE, F16)
     else:
         # WIDE skip: only the listed groups (some token of the tile runs them) are visited; a dead group's
         # weight columns are never read
@@ -417,9 +423,14 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, 
             if lo < hi:
                 acc = _gemm_k_first(acc, a, w0, mask, rows, rok, g0, lo % STEPS, G, sam, GS, BM, BK, IEEE, F16)
             lo += 1
-        for it in range(lo, hi):
-            acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
-                               it % STEPS, G, sam, swn, GS, BM, BK, IEEE, F16)
+        if PIPE > 0:
+            for it in tl.range(lo, hi, num_stages=PIPE):
+                acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
+                                   it % STEPS, G, sam, swn, GS, BM, BK, IEEE, F16)
+        else:
+            for it in range(lo, hi):
+                acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
+                                   it % STEPS, G, sam, swn, GS, BM, BK, IEEE, F16)
     if BM == 1:
         acc = tl.sum(acc, 1)[None, :]
     ok = rok[:, None] & cok[None, :]
@@ -538,5 +549,5 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
                          HAS_RES=residual is not None, FP8=w_scale is not None, IEEE=ieee,
                          F16=0 if w_scale is None else min(cfg.get("F16", 1), 1 if ieee else 2),
                          HAS_LIVE=live is not None, PREFETCH=bool(cfg.get("PREFETCH")) and live is not None,
-                         **launch_args(cfg), **pdl_args(a.device))
+                         PIPE=cfg.get("PIPE", 0), **launch_args(cfg), **pdl_args(a.device))
     return out

@@ -28,9 +28,11 @@ def tune_table(s):
     M, FFN = s.prefill_m, s.FFN
     v = lambda warps, stages, **sizes: dict(sizes, num_warps=warps, num_stages=stages)
     # gemm_k at one token as a one-row FMA tile (config FMA; BM then applies from 2 tokens on)
+    # (PIPE: the K loop pipelined through shared memory, which a loop without tl.dot is not unless asked)
     fma = [v(4, 3, BM=16, BN=16, BK=128, SPLIT=4, FMA=True), v(4, 3, BM=16, BN=8, BK=128, SPLIT=8, FMA=True),
-           v(8, 3, BM=16, BN=32, BK=128, SPLIT=4, FMA=True), v(4, 4, BM=16, BN=16, BK=256, SPLIT=4, FMA=True),
-           v(4, 4, BM=16, BN=32, BK=256, SPLIT=8, FMA=True), v(4, 4, BM=16, BN=8, BK=512, SPLIT=8, FMA=True)]
+           v(8, 3, BM=16, BN=32, BK=128, SPLIT=4, FMA=True),
+           *[v(4, 4, BM=16, BN=bn, BK=bk, SPLIT=split, FMA=True, PIPE=4)
+             for bn, bk, split in ((16, 128, 4), (32, 128, 8), (64, 128, 8), (32, 256, 4), (16, 512, 8))]]
     # One token on the 16-row tensor-core tile (config DOT): the codes as f16, the products on tensor cores
     dot = [v(4, 1, BN=16, BK=256, programs_per_sm=2, DOT=True), v(4, 1, BN=32, BK=256, programs_per_sm=2, DOT=True),
            v(4, 1, BN=16, BK=512, programs_per_sm=2, DOT=True), v(4, 1, BN=64, BK=128, programs_per_sm=2, DOT=True),

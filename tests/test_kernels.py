@@ -235,18 +235,22 @@ def test_gemm_k_adds_the_residual_in_its_epilogue_and_leaves_its_tickets_at_zero
 
 @pytest.mark.parametrize("p_on", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("split", [1, 2])
-def test_one_token_gemm_k_with_fma_matches_twin_and_never_reads_pruned_inputs(launches, p_on, split):
+@pytest.mark.parametrize("pipe", [0, 3])
+def test_one_token_gemm_k_with_fma_matches_twin_and_never_reads_pruned_inputs(launches, p_on, split, pipe):
     # config FMA: one token is a one-row tile summed with fp32 multiply-adds instead of a padded
-    # 16-row tl.dot; the live-group list, the split and the residual epilogue are the same code.
+    # 16-row tl.dot; the live-group list, the split and the residual epilogue are the same code. PIPE: the
+    # K loop as a pipelined tl.range.
     gen = torch.Generator().manual_seed(30 + split)
     K, N = 5 * 16, 40
     a, w, res = randn(1, K, gen=gen), randn(N, K, gen=gen), randn(1, N, gen=gen)
     mask = make_mask((1, 5), p_on, gen)
     garbage = torch.where(mask.repeat_interleave(16, 1), a, torch.full_like(a, float("nan")))
     tickets = torch.zeros(64, dtype=torch.int32, device=DEV)
-    out = kernels.gemm_k(garbage, w, mask, 16, residual=res, tickets=tickets, config={"FMA": True, "SPLIT": split})
+    out = kernels.gemm_k(garbage, w, mask, 16, residual=res, tickets=tickets,
+                         config={"FMA": True, "SPLIT": split, "PIPE": pipe})
     assert_close(out, kernels.gemm_k_ref(a, w, mask, 16, residual=res))
     assert (tickets == 0).all() and launches.constants["gemm_k_kernel"][0]["BM"] == 1
+    assert launches.constants["gemm_k_kernel"][0]["PIPE"] == pipe
 
 
 def test_one_layout_serves_gate_up_then_down():

@@ -278,7 +278,7 @@ def test_qkv_gemv_with_rope_in_its_epilogue_still_never_reads_a_dead_groups_rows
 @pytest.mark.parametrize("long_k", [False, True], ids=["short K", "long K"])
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("source", ["own list", "router's list", "router's list, prefetched"])
+@pytest.mark.parametrize("source", ["own list", "router's list", "router's list, prefetched", "own list, FMA + PIPE"])
 def test_decode_gemm_k_never_reads_the_weight_columns_of_a_group_no_token_runs(kind, M, long_k, fmt, source):
     K = kernels_base.LONG_K if long_k else kernels_base.LONG_K - GS  # the long-K variant splits from LONG_K on
     G, N = K // GS, 64
@@ -286,10 +286,10 @@ def test_decode_gemm_k_never_reads_the_weight_columns_of_a_group_no_token_runs(k
     w, ws = weight(fmt, N, K)
     if source != "own list" and long_k:
         pytest.skip("the router's list replaces the same scan in both K variants: one suffices")
-    live = kernels_step.live_ref(mask) if source != "own list" else None
+    live = kernels_step.live_ref(mask) if source.startswith("router") else None
+    cfg = dict(PREFETCH=True) if source.endswith("prefetched") else dict(FMA=True, PIPE=3) if "PIPE" in source else None
     with recorded_loads() as rec:  # PREFETCH: the first slice before the PDL wait, then the loop the rest
-        kernels.gemm_k(randn(M, K), w, mask, GS, w_scale=ws, live=live,
-                       config=dict(PREFETCH=True) if source.endswith("prefetched") else None)
+        kernels.gemm_k(randn(M, K), w, mask, GS, w_scale=ws, live=live, config=cfg)
     # The split programs share a tile's live groups out: each live group's columns are read exactly once.
     assert torch.equal(rec.reads("_gemm_k_kernel", "w"), per_column(mask.any(0).long(), N))
     a_read = rec.reads("_gemm_k_kernel", "a") > 0
