@@ -257,6 +257,19 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     m = tl.full([BH], float("-inf"), tl.float32)  # the pair's chunks in order, MB partials at a time: a
     l = tl.zeros([BH], tl.float32)                 # merge over all MC at once would hold them all in
     acc = tl.zeros([BH, D], tl.float32)            # registers for the whole kernel and cost it occupancy
+    if MB == 1:
+        for it in range(first, first + items):
+            crow = it * HPK + r
+            lse = tl.load(plse + crow, mask=r < HPK, other=0.0, cache_modifier=".cg")
+            part = tl.load(po + crow[:, None] * D + dd[None, :], mask=(r < HPK)[:, None], other=0.0,
+                           cache_modifier=".cg")
+            m_new = tl.maximum(m, lse)
+            old, wgt = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+            acc = acc * old[:, None] + wgt[:, None] * part
+            l = l * old + wgt
+            m = m_new
+        tl.store(optr, (acc / l[:, None]).to(o.dtype.element_ty), mask=act[:, None])
+        return
     cb = tl.arange(0, MB)
     for it in range(first, first + items, MB):
         cok = (it + cb < first + items)[:, None] & (r < HPK)[None, :]  # [MB, BH]
