@@ -195,6 +195,18 @@ def profile_one(run, e, batch, context, replays=20):
     return out
 
 
+def profiles_of(batch, weights):
+    """(name, (attention, FFN) sparsity or None for dense, policy) of each step profiled at this batch and weight
+    format: dense (with fp8 at one token every way dense fp8 runs, as bench/e2e.py's FP8_ENGINES: which one is
+    dense at its best), WIDE 50/50, and WIDE 75/25 from batch 8 on."""
+    out = [("dense", None, Policy())]
+    if weights == "fp8" and batch == 1:
+        out += [("dense, _scaled_mm per-tensor", None, Policy(fp8_tensorwise_one_token=True)),
+                ("dense, WIDE kernels", None, Policy(fp8_scaled_mm_min_tokens=1 << 30))]
+    out += [("WIDE 50/50", (0.5, 0.5), Policy())]
+    return out + ([("WIDE 75/25", (0.75, 0.25), Policy())] if batch >= 8 else [])
+
+
 def profile_rows(run, m, record, out, log):
     """The profile part of bench/e2e.py: every (batch, context, weights) of run.profile, dense and WIDE,
     written to `out` (.json, .md) as it goes; returns no e2e rows. The routers end at the bench's 0.5."""
@@ -205,11 +217,10 @@ def profile_rows(run, m, record, out, log):
     rec = dict(record, steps=[])
     try:
         for batch, context, weights in run.profile:
-            profiles = [("dense", None), ("WIDE 50/50", (0.5, 0.5))] + ([("WIDE 75/25", (0.75, 0.25))] if batch >= 8 else [])
-            for name, sparsity in profiles:
+            for name, sparsity, policy in profiles_of(batch, weights):
                 if sparsity:
                     set_profile(m, routers, *sparsity, run.calibrate_tokens)
-                s = with_engine(m, sparsity is not None, Policy(),
+                s = with_engine(m, sparsity is not None, policy,
                                 lambda e: profile_one(run, e, batch, context), weights)
                 rec["steps"].append(dict(s, batch=batch, context=context, weights=weights, profile=name))
                 log(f"  profile batch {batch}, context {context}, {weights}, {name}: step {s['step_us']} us, kernels "

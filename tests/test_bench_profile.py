@@ -151,3 +151,14 @@ def test_prefill_chunk_bench_refuses_a_bad_policy_in_one_line(capsys):
     from bench import prefill
     from conftest import assert_one_line_error, stopped
     assert_one_line_error(stopped(capsys, prefill.main, "--smoke", "--policy", "no_such=1"), "NAME=VALUE")
+
+
+def test_the_fp8_profile_at_one_token_runs_dense_every_way_the_e2e_bench_times_it():
+    from bench.e2e import FP8_ENGINES
+    names = [n for n, _, _ in bp.profiles_of(1, "fp8")]
+    assert names == ["dense", "dense, _scaled_mm per-tensor", "dense, WIDE kernels", "WIDE 50/50"]
+    dense_fp8 = {(p.fp8_tensorwise_one_token, p.fp8_scaled_mm_min_tokens) for k, (_, w, p) in FP8_ENGINES.items()
+                 if k.startswith("dense fp8")}
+    assert {(p.fp8_tensorwise_one_token, p.fp8_scaled_mm_min_tokens) for _, s, p in bp.profiles_of(1, "fp8")
+            if s is None} == dense_fp8
+    assert [n for n, _, _ in bp.profiles_of(32, "bf16")] == ["dense", "WIDE 50/50", "WIDE 75/25"]
