@@ -389,8 +389,9 @@ def command_line(doc, script, results, only, argv=None, having=False):
     p.add_argument("--only", type=lambda v: [w for w in v.split(",") if w], default=[],
                    help=f"only the {only} whose name contains one of these (comma-separated)")
     if having:
-        p.add_argument("--having", default=None, help="only the variants whose config sets this name (e.g. PIPE); "
-                       "the current config is always timed first")
+        p.add_argument("--having", type=lambda v: [w for w in v.split(",") if w], default=[],
+                       help="only the variants whose config sets one of these names (comma-separated, e.g. "
+                       "PIPE,merge_block); the current config is always timed first")
     args = p.parse_args(argv)
     common.prepare(args, script, argv, results)
     return args, argv, smoke_setup() if args.smoke else gpu_setup()

@@ -6,6 +6,7 @@ live and 50% skipped) and timed as bench/ops.py times that op (decode-sized ops 
     python -m bench.tune --only fp8   # only the keys whose name contains "fp8"
     python -m bench.tune --only fp8,gemm_k_small   # ... "fp8" or "gemm_k_small"
     python -m bench.tune --only gemv_mn_1 --having PIPE   # ... and of their variants only those with PIPE
+    python -m bench.tune --only gemv_mn_1,gemm_k_small,attn_decode --having PIPE,merge_block   # ... either
     TRITON_INTERPRET=1 python -m bench.tune --smoke   # each key's first and last variant on the CPU (CI)
 
 The variants are passed to the ops as config= (CONFIGS itself is never rewritten); a key's first row is
@@ -142,7 +143,8 @@ def run_tune(s, args, argv):
                             dense_ms=dense_ms, baseline=case.baseline[0], others_ms=others,
                             current=kernels_base.CONFIGS[key.split()[0]], variants=[])
         current = kernels_base.CONFIGS[key.split()[0]]
-        todo = [dict(current)] + [v for v in variants if v != current and (not args.having or args.having in v)]
+        todo = [dict(current)] + [v for v in variants if v != current and
+                                  (not args.having or any(name in v for name in args.having))]
         for v in todo[:1] + todo[-1:] if s.smoke else todo:  # --smoke: the code path (first, last), not the width
             try:
                 checks = [check(case, full, v), check(case, half, v)]
