@@ -26,19 +26,26 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 import cli
 import kernels
+from bench.common import graph_ms
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP else "cuda"
 
 
 @triton.jit
-def tma_gemv(x, desc, s, out, lst, NLIVE, K, GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             FP8: tl.constexpr, STAGES: tl.constexpr, ACC2D: tl.constexpr):
+def _span(NLIVE, K, GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # this program's steps (chunk of BN live rows, BK slice of K): whole chunks, shared out evenly
     pid, P = tl.program_id(0), tl.num_programs(0)
     KS = K // BK
+    C = NLIVE * (GS // BN)
+    return KS, pid * C // P * KS, (pid + 1) * C // P * KS
+
+
+@triton.jit
+def tma_gemv(x, desc, s, out, lst, NLIVE, K, GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             FP8: tl.constexpr, STAGES: tl.constexpr, ACC2D: tl.constexpr):
+    KS, begin, end = _span(NLIVE, K, GS, BN, BK)
     CPG: tl.constexpr = GS // BN
-    C = NLIVE * CPG
-    begin, end = pid * C // P * KS, (pid + 1) * C // P * KS
     kk = tl.arange(0, BK)
     if ACC2D:
         acc = tl.zeros([BN, BK], tl.float32)
@@ -74,11 +81,8 @@ def tma_gemv(x, desc, s, out, lst, NLIVE, K, GS: tl.constexpr, BN: tl.constexpr,
 def ptr_gemv(x, w, s, out, lst, NLIVE, K, GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
              FP8: tl.constexpr, STAGES: tl.constexpr, ACC2D: tl.constexpr):
     # the same loop with plain pointer loads: does the pipeliner keep them in flight (cp.async) too?
-    pid, P = tl.program_id(0), tl.num_programs(0)
-    KS = K // BK
+    KS, begin, end = _span(NLIVE, K, GS, BN, BK)
     CPG: tl.constexpr = GS // BN
-    C = NLIVE * CPG
-    begin, end = pid * C // P * KS, (pid + 1) * C // P * KS
     kk = tl.arange(0, BK)
     nn = tl.arange(0, BN)
     if ACC2D == 2:  # f16 products and per-lane sums (K / BK terms each), x scaled into [-1, 1] first
@@ -131,25 +135,6 @@ def run_lab(kind, x, w, s, out, lst, nlive, gs, cfg):
         f = lambda: ptr_gemv[(P,)](x, w, s, out, lst, nlive, w.shape[1], GS=gs, BN=BN, BK=BK, FP8=fp8, STAGES=ST,
                                    ACC2D=acc2d, num_warps=nw)
     return f
-
-
-def graph_us(fns, reps=20):
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        [f() for f in fns]
-    torch.cuda.current_stream().wait_stream(st)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        [f() for f in fns]
-    g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    [g.replay() for _ in range(reps)]
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) / reps / len(fns) * 1e3
 
 
 def problem(N, K, gs, fp8, copies, seed=0):
@@ -214,7 +199,7 @@ def sweep(grid):
             outs = [torch.zeros(1, N, device=DEV, dtype=torch.bfloat16) for _ in ws]
             fns = [lambda i=i: kernels.gemm_mn(x, ws[i], mask, gs, w_scale=ss[i] if fp8 else None)
                    for i in range(copies)]
-            t = graph_us(fns)
+            t = graph_ms(False, fns) * 1e3
             rows.append(dict(shape=name, fp8=fp8, kind="shipped", cfg=None, us=t, tbs=live_bytes / t / 1e6))
             kinds, cfgs = grid_of(grid, fp8)
             for kind in kinds:
@@ -225,7 +210,7 @@ def sweep(grid):
                         check(kind, N, K, gs, fp8, cfg)
                         fns = [run_lab(kind, x, ws[i], ss[i], outs[i], lst, lst.numel(), gs, cfg)
                                for i in range(copies)]
-                        t = graph_us(fns)
+                        t = graph_ms(False, fns) * 1e3
                         row = dict(shape=name, fp8=fp8, kind=kind, cfg=cfg, us=t, tbs=live_bytes / t / 1e6)
                     except Exception as e:  # noqa: BLE001  (a tile that does not fit: the next may)
                         row = dict(shape=name, fp8=fp8, kind=kind, cfg=cfg, err=str(e)[:200])
