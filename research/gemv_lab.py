@@ -7,8 +7,8 @@ none of them, against the shipped kernel (kernels.gemm_mn) on the same weights a
     python -m research.gemv_lab --grid modes    # fp8, pointer loads: fp32 lane sums / f16 products / loads only
     TRITON_INTERPRET=1 python -m research.gemv_lab   # the kernels against their twin on the CPU, small sizes
 
-Both lab kernels walk a flat loop over (live chunk of BN rows, BK slice of K) steps, whole chunks per program,
-with Triton's software pipeline keeping `stages` tiles in flight through shared memory, and sum products lane by
+The lab kernel walks a flat loop over (live chunk of BN rows, BK slice of K) steps, whole chunks per program,
+with Triton's software pipeline keeping `stages` tiles in flight through shared memory, and sums products lane by
 lane in a [BN, BK] accumulator reduced once per chunk. Config tuples: (BN, BK, stages, programs per SM,
 num_warps, mode); mode 1 fp32 lane sums, 2 f16 products and lane sums (x scaled into [-1, 1] first), 3 loads
 only (codes summed as integers: what the access pattern alone costs). -> results/gemv_lab_<gpu>_<grid>.json
@@ -33,64 +33,25 @@ DEV = "cpu" if INTERP else "cuda"
 
 
 @triton.jit
-def _span(NLIVE, K, GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # this program's steps (chunk of BN live rows, BK slice of K): whole chunks, shared out evenly
+def lab_gemv(x, w, s, out, lst, NLIVE, K, GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+             STAGES: tl.constexpr, MODE: tl.constexpr, TMA: tl.constexpr):
+    """out[live rows] = (w[live rows] . x) * s over a flat loop of (chunk of BN live rows, BK slice of K) steps,
+    whole chunks per program, STAGES tiles in flight (Triton's software pipeline), [BN, BK] lane sums reduced once
+    per chunk. TMA: w is a tensor descriptor (tiles by TMA), else a pointer (tiles by cp.async). MODE 1 fp32 lane
+    sums, 2 f16 products and lane sums (x scaled into [-1, 1] first), 3 loads only (codes summed as integers)."""
     pid, P = tl.program_id(0), tl.num_programs(0)
     KS = K // BK
-    C = NLIVE * (GS // BN)
-    return KS, pid * C // P * KS, (pid + 1) * C // P * KS
-
-
-@triton.jit
-def tma_gemv(x, desc, s, out, lst, NLIVE, K, GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             FP8: tl.constexpr, STAGES: tl.constexpr, ACC2D: tl.constexpr):
-    KS, begin, end = _span(NLIVE, K, GS, BN, BK)
     CPG: tl.constexpr = GS // BN
-    kk = tl.arange(0, BK)
-    if ACC2D:
-        acc = tl.zeros([BN, BK], tl.float32)
-    else:
-        acc = tl.zeros([BN], tl.float32)
-    for step in tl.range(begin, end, num_stages=STAGES):
-        c = step // KS
-        ks = step - c * KS
-        g = tl.load(lst + c // CPG)
-        row = g * GS + (c % CPG) * BN
-        w = desc.load([row, ks * BK])
-        xv = tl.load(x + ks * BK + kk).to(tl.float32)
-        if ACC2D:
-            acc += w.to(tl.float32) * xv[None, :]
-        else:
-            acc += tl.sum(w.to(tl.float32) * xv[None, :], 1)
-        if ks == KS - 1:
-            if ACC2D:
-                r = tl.sum(acc, 1)
-            else:
-                r = acc
-            rows = row + tl.arange(0, BN)
-            if FP8:
-                r = r * tl.load(s + rows)
-            tl.store(out + rows, r.to(out.dtype.element_ty))
-            if ACC2D:
-                acc = tl.zeros([BN, BK], tl.float32)
-            else:
-                acc = tl.zeros([BN], tl.float32)
-
-
-@triton.jit
-def ptr_gemv(x, w, s, out, lst, NLIVE, K, GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             FP8: tl.constexpr, STAGES: tl.constexpr, ACC2D: tl.constexpr):
-    # the same loop with plain pointer loads: does the pipeliner keep them in flight (cp.async) too?
-    KS, begin, end = _span(NLIVE, K, GS, BN, BK)
-    CPG: tl.constexpr = GS // BN
+    C = NLIVE * CPG
+    begin, end = pid * C // P * KS, (pid + 1) * C // P * KS
     kk = tl.arange(0, BK)
     nn = tl.arange(0, BN)
-    if ACC2D == 2:  # f16 products and per-lane sums (K / BK terms each), x scaled into [-1, 1] first
+    if MODE == 2:
         kx = tl.arange(0, 4096)
         xm = tl.max(tl.abs(tl.load(x + kx, mask=kx < K, other=0.0).to(tl.float32)), 0)
         xs = tl.exp2(tl.ceil(tl.log2(tl.maximum(xm, 1e-30))))
         acc = tl.zeros([BN, BK], tl.float16)
-    elif ACC2D == 3:
+    elif MODE == 3:
         xs = 1.0
         acc = tl.zeros([BN, BK], tl.int32)
     else:
@@ -101,15 +62,18 @@ def ptr_gemv(x, w, s, out, lst, NLIVE, K, GS: tl.constexpr, BN: tl.constexpr, BK
         ks = step - c * KS
         g = tl.load(lst + c // CPG)
         row = g * GS + (c % CPG) * BN
-        wp = w + (row + nn)[:, None] * K + ks * BK + kk[None, :]
-        if ACC2D == 3:
-            acc += tl.load(wp.to(tl.pointer_type(tl.int8), bitcast=True)).to(tl.int32)
-        elif ACC2D == 2:
+        if TMA:
+            wt = w.load([row, ks * BK])
+        else:
+            wt = tl.load(w + (row + nn)[:, None] * K + ks * BK + kk[None, :])
+        if MODE == 3:
+            acc += wt.to(tl.int8, bitcast=True).to(tl.int32)
+        elif MODE == 2:
             xv = (tl.load(x + ks * BK + kk).to(tl.float32) / xs).to(tl.float16)
-            acc += tl.load(wp).to(tl.float16) * xv[None, :]
+            acc += wt.to(tl.float16) * xv[None, :]
         else:
             xv = tl.load(x + ks * BK + kk).to(tl.float32)
-            acc += tl.load(wp).to(tl.float32) * xv[None, :]
+            acc += wt.to(tl.float32) * xv[None, :]
         if ks == KS - 1:
             r = tl.sum(acc.to(tl.float32), 1) * xs
             rows = row + nn
@@ -124,17 +88,12 @@ def nsm():
 
 
 def run_lab(kind, x, w, s, out, lst, nlive, gs, cfg):
-    BN, BK, ST, pps, nw, acc2d = cfg
-    P = pps * nsm()
-    fp8 = w.dtype == torch.float8_e4m3fn
-    if kind == "tma":
-        desc = TensorDescriptor.from_tensor(w, [BN, BK])
-        f = lambda: tma_gemv[(P,)](x, desc, s, out, lst, nlive, w.shape[1], GS=gs, BN=BN, BK=BK, FP8=fp8, STAGES=ST,
-                                   ACC2D=acc2d, num_warps=nw)
-    else:
-        f = lambda: ptr_gemv[(P,)](x, w, s, out, lst, nlive, w.shape[1], GS=gs, BN=BN, BK=BK, FP8=fp8, STAGES=ST,
-                                   ACC2D=acc2d, num_warps=nw)
-    return f
+    BN, BK, ST, pps, nw, mode = cfg
+    tma = kind == "tma"
+    wd = TensorDescriptor.from_tensor(w, [BN, BK]) if tma else w
+    return lambda: lab_gemv[(pps * nsm(),)](x, wd, s, out, lst, nlive, w.shape[1], GS=gs, BN=BN, BK=BK,
+                                            FP8=w.dtype == torch.float8_e4m3fn, STAGES=ST, MODE=int(mode), TMA=tma,
+                                            num_warps=nw)
 
 
 def problem(N, K, gs, fp8, copies, seed=0):
