@@ -322,6 +322,7 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, ticket
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
         (1.0 / math.sqrt(D)) * 1.4426950408889634, HKV=Hkv, HPK=hpk, HPG=H // G,
         H2=triton.next_power_of_2(H), BJ=max(2, triton.next_power_of_2(B * Hkv)),
-        BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"], MB=cfg.get("merge_block", 1), D=D,
+        BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"], MB=cfg.get("merge_block", 1),
+        D=D,
         IEEE=q.dtype == torch.float32, **launch_args(cfg), **pdl_args(q.device))
     return o

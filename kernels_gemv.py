@@ -167,7 +167,8 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
                 acc_up += codes_f32(bu, FP8) * a.to(tl.float32)
             if step % KS == KS - 1:  # chunk done: epilogue
                 _gemv_chunk_out(out, ws, wus, mask, tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], t, g, n, M,
-                                G, som, k_dst, v_dst, cos, sin, slot, NQ, NK, T, sdb, sdh, sdt, BT, BN, FUSED, FP8, HALF)
+                                G, som, k_dst, v_dst, cos, sin, slot, NQ, NK, T, sdb, sdh, sdt, BT, BN, FUSED, FP8,
+                                HALF)
                 acc = tl.zeros([BN, BK], tl.float32)
                 acc_up = tl.zeros([BN, BK], tl.float32)
     else:

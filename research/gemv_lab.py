@@ -212,7 +212,8 @@ def main(argv=None):
         for kind in ("tma", "ptr"):
             for fp8 in (False, True):
                 for mode in ((1,) if kind == "tma" else (1, 2)):
-                    print(kind, "fp8" if fp8 else "bf16", mode, check(kind, 512, 512, 128, fp8, (16, 128, 2, 1, 4, mode)))
+                    err = check(kind, 512, 512, 128, fp8, (16, 128, 2, 1, 4, mode))
+                    print(kind, "fp8" if fp8 else "bf16", mode, err)
         return
     rows = sweep(args.grid)
     gpu = torch.cuda.get_device_name()

@@ -158,7 +158,8 @@ def test_tune_times_each_config_passed_to_the_op(tmp_path):
 
 def test_tune_takes_several_names_and_checks_the_prefetch_variant(tmp_path):
     data, _ = smoke(tmp_path, "bench.tune", "--only", "attn_decode,gemm_k_small_long_k")
-    assert set(data["results"]) == {"attn_decode", "attn_decode 1x1024", "gemm_k_small_long_k", "gemm_k_small_long_k_fp8"}
+    assert set(data["results"]) == {"attn_decode", "attn_decode 1x1024", "gemm_k_small_long_k",
+                                    "gemm_k_small_long_k_fp8"}
     last = data["results"]["gemm_k_small_long_k"]["variants"][-1]  # --smoke: the first and the last variant
     assert last["config"].get("PREFETCH") and "failed" not in last and last["rel_err"] <= 1e-2
 
