@@ -63,6 +63,21 @@ def _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, start, pos, kv_end, qk_scal
     return acc, m_new, l_i
 
 
+@triton.jit
+def _attn_tile(acc, m_i, l_i, qt, kt, vt, ok, qk_scale, IEEE: tl.constexpr):
+    # One online-softmax step over a K/V tile already loaded (its keys where ok). A tile with no such key
+    # leaves the state as it was: the shift keeps exp2 from -inf - -inf while a row's maximum is -inf.
+    s = tl.dot(qt, tl.trans(kt), input_precision="ieee" if IEEE else "tf32") * qk_scale
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - shift[:, None])
+    alpha = tl.exp2(m_i - shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee" if IEEE else "tf32")
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=["T", "MT"])  # chunk lengths: see engine.warm_chunks
 def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT, start, LK,
                          sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, qk_scale,
@@ -177,7 +192,8 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
                         sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
                         HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, H2: tl.constexpr,
                         BJ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr,
-                        MB: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                        MB: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, EARLY: tl.constexpr,
+                        PDL: tl.constexpr):
     """Split-KV decode attention (one query token per row) over a work list of live items only.
 
     The work is a list of items (row b, KV head, chunk of that row's cached keys), built in every
@@ -192,18 +208,18 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     so the result does not depend on which finished last) and resets the ticket. At most MC chunks per pair
     (longer chunks instead), so that merge stays short; it loads MB chunks' partials at a time (each load a
     round trip to L2 that the merge waits on; more at once cost registers). PDL: see kernels_base.prior_done.
+    EARLY (with PDL): the work list and the item's first block of cached keys are loaded before the wait,
+    so that chain of round trips runs while the previous kernel finishes. Safe because a launch under PDL
+    starts only once the launch before the previous one has finished: the mask (norm_route's, two or more
+    launches back), kv_len (formed at the step's start) and the cached K/V are final by then, except each
+    row's newest key, which the previous launch (the Q, K, V epilogue or the RoPE kernel) writes. So the
+    early block leaves that key out and it is folded in after the wait, as one more online-softmax step.
     Twin: attention_decode_ref.
     """
-    prior_done(PDL)
     pid = tl.program_id(0)
     dd = tl.arange(0, D)
-    if pid >= NP:  # row b's heads whose group does not run get exact zeros (O's cuBLAS GEMM reads them)
-        b = pid - NP
-        hh = tl.arange(0, H2)
-        on = tl.load(head_mask + b * G + hh // HPG, mask=hh < HKV * HPK, other=1)
-        tl.store(o + b * sob + hh[:, None] * soh + dd[None, :], tl.zeros([H2, D], o.dtype.element_ty),
-                 mask=(on == 0)[:, None])
-        return
+    if EARLY == 0:
+        prior_done(PDL)  # (then the wait below returns at once)
     j = tl.arange(0, BJ)  # pair j: row j // HKV, KV head j % HKV
     jok = j < B * HKV
     live = tl.zeros([BJ], tl.int32)
@@ -217,8 +233,7 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
                     1) * BN
     cnt = tl.cdiv(n, ch)
     cum = tl.cumsum(cnt, 0)
-    if pid >= tl.sum(cnt, 0):
-        return
+    has_item = (pid < tl.sum(cnt, 0)) & (pid < NP)
     pj = tl.sum((cum <= pid).to(tl.int32), 0)  # the pair this item belongs to
     sel = j == pj
     first = tl.sum(tl.where(sel, cum - cnt, 0), 0)
@@ -227,22 +242,52 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     b, hk = pj // HKV, pj % HKV
     start = (pid - first) * ch
     end = tl.minimum(start + ch, end_all)
+    kb, vb = k + b * skb + hk * skh, v + b * svb + hk * svh
+    if EARLY:  # the first block's cached keys but the row's newest (end_all - 1: the previous launch's)
+        kv0 = start + tl.arange(0, BN)
+        early = kv0 < tl.where(has_item, tl.minimum(end, end_all - 1), 0)
+        k0 = tl.load(kb + kv0[:, None] * skt + dd[None, :], mask=early[:, None], other=0.0)
+        v0 = tl.load(vb + kv0[:, None] * svt + dd[None, :], mask=early[:, None], other=0.0)
+    prior_done(PDL)
+    if pid >= NP:  # row b's heads whose group does not run get exact zeros (O's cuBLAS GEMM reads them)
+        zb = pid - NP
+        hh = tl.arange(0, H2)
+        on = tl.load(head_mask + zb * G + hh // HPG, mask=hh < HKV * HPK, other=1)
+        tl.store(o + zb * sob + hh[:, None] * soh + dd[None, :], tl.zeros([H2, D], o.dtype.element_ty),
+                 mask=(on == 0)[:, None])
+        return
+    if not has_item:
+        return
     r = tl.arange(0, BH)
     head = hk * HPK + r
     act = (r < HPK) & (tl.load(head_mask + b * G + head // HPG, mask=r < HPK, other=0) > 0)
     qt = tl.load(q + b * sqb + head[:, None] * sqh + dd[None, :], mask=act[:, None], other=0.0)
-    kb, vb = k + b * skb + hk * skh, v + b * svb + hk * svh
     acc = tl.zeros([BH, D], tl.float32)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     pos = r * 0 + end  # decode: every cached key up to kv_len is visible
-    full = start + (end - start) // BN * BN
-    for t0 in range(start, full, BN):
+    rest = start  # the first key the loop below reads
+    if EARLY:
+        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, qt, k0, v0, early, qk_scale, IEEE)
+        rest = start + BN
+    full = rest + tl.maximum(end - rest, 0) // BN * BN
+    for t0 in range(rest, full, BN):
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
                                     BN, D, False, IEEE)
     for t0 in range(full, end, BN):
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
                                     BN, D, True, IEEE)
+    if EARLY:
+        newest = end_all - 1
+        if (newest >= start) & (newest < start + BN) & (newest < end):  # the key the early block left out
+            kn = tl.load(kb + newest * skt + dd).to(tl.float32)
+            vn = tl.load(vb + newest * svt + dd).to(tl.float32)
+            sn = tl.sum(qt.to(tl.float32) * kn[None, :], 1) * qk_scale
+            m_new = tl.maximum(m_i, sn)
+            alpha, pn = tl.exp2(m_i - m_new), tl.exp2(sn - m_new)
+            l_i = l_i * alpha + pn
+            acc = acc * alpha[:, None] + pn[:, None] * vn[None, :]
+            m_i = m_new
     optr = o + b * sob + head[:, None] * soh + dd[None, :]
     if items == 1:  # the pair's keys in one chunk: nothing to merge
         tl.store(optr, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=act[:, None])
@@ -323,6 +368,6 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, ticket
         (1.0 / math.sqrt(D)) * 1.4426950408889634, HKV=Hkv, HPK=hpk, HPG=H // G,
         H2=triton.next_power_of_2(H), BJ=max(2, triton.next_power_of_2(B * Hkv)),
         BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"], MB=cfg.get("merge_block", 1),
-        D=D,
+        D=D, EARLY=int(cfg.get("early", False)),
         IEEE=q.dtype == torch.float32, **launch_args(cfg), **pdl_args(q.device))
     return o

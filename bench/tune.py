@@ -49,7 +49,10 @@ def tune_table(s):
     attn = [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16), v(8, 3, BN=128, programs_per_sm=2),
             v(4, 3, BN=128, programs_per_sm=4),
             *[v(w, 2, BN=bn, programs_per_sm=4, max_chunks=16, merge_block=mb)
-              for w, bn, mb in ((8, 128, 4), (8, 128, 8), (4, 64, 8), (4, 64, 16), (8, 64, 8))]]
+              for w, bn, mb in ((8, 128, 4), (8, 128, 8), (4, 64, 8), (4, 64, 16), (8, 64, 8))],
+            # early: the work list and the first key block loaded before the PDL wait
+            *[v(w, 2, BN=bn, programs_per_sm=4, max_chunks=16, merge_block=mb, early=True)
+              for w, bn, mb in ((8, 128, 1), (8, 128, 8), (4, 64, 8), (8, 64, 16))]]
     # PREFETCH: the current config with the first live slice's weights loaded before the PDL wait
     pre = lambda key: dict(kernels_base.CONFIGS[key], PREFETCH=True)
     return {

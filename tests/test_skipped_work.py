@@ -337,14 +337,18 @@ def test_prefill_attention_reads_q_of_active_heads_once_and_kv_only_up_to_their_
         assert torch.equal(read, needed), f"{name}: rows read != rows up to the last active token"
 
 
+EARLY = dict(BN=16, programs_per_sm=4, max_chunks=4, early=True)  # attention_decode's first block before its wait
+
+
+@pytest.mark.parametrize("config", [None, EARLY], ids=["", "early"])
 @pytest.mark.parametrize("G", [4, 2], ids=["2 groups per KV head", "1 group per KV head"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_decode_attention_never_reads_the_kv_cache_of_a_kv_head_whose_query_heads_are_all_off(kind, G):
+def test_decode_attention_never_reads_the_kv_cache_of_a_kv_head_whose_query_heads_are_all_off(kind, G, config):
     L, kv_len = 40, torch.tensor([40, 17, 5])
     head_mask = step_mask(kind, B, G, seed=3)
     q, k, v = randn(B, H, 1, D, seed=1), randn(B, HKV, L, D, seed=2), randn(B, HKV, L, D, seed=3)
     with recorded_loads() as rec:
-        kernels_attention.attention_decode(q, k, v, head_mask, kv_len)
+        kernels_attention.attention_decode(q, k, v, head_mask, kv_len, config=config)
     active = head_mask.repeat_interleave(H // G, 1)  # [B, H]
     kv_on = active.view(B, HKV, H // HKV).any(2)  # [B, Hkv]: some query head of the KV head runs
     cached = torch.arange(L)[None, :] < kv_len[:, None]  # [B, L]
@@ -354,6 +358,50 @@ def test_decode_attention_never_reads_the_kv_cache_of_a_kv_head_whose_query_head
             f"{name}: each cached position of a running KV head exactly once, nothing else"
     q_read = rec.reads("_attn_decode_kernel", "q").sum(-1)[:, :, 0] > 0
     assert torch.equal(q_read, active), "an inactive query head's q is never read"
+
+
+@pytest.mark.parametrize("config", [None, EARLY], ids=["", "early"])
+def test_decode_attention_reads_only_final_bytes_before_its_pdl_wait(monkeypatch, config):
+    # Under PDL the previous launch may still run until the wait: it writes q and each row's newest key,
+    # so before the wait only older cached keys (and the mask, kv_len) may be read. The wait is replaced by
+    # a marker and each program's loads are split at it (the interpreter runs one program at a time).
+    L, kv_len = 40, torch.tensor([40, 17, 5])
+    head_mask = step_mask("random", B, 4, seed=3)
+    q, k, v = randn(B, H, 1, D, seed=1), randn(B, HKV, L, D, seed=2), randn(B, HKV, L, D, seed=3)
+    waited, early = [False], []
+    monkeypatch.setattr(kernels_attention, "prior_done", lambda PDL: waited.__setitem__(0, True))
+    builder = interpreter.interpreter_builder
+    set_idx, load = builder.set_grid_idx, builder.create_masked_load
+
+    def program_start(*idx):
+        waited[0] = False
+        return set_idx(*idx)
+
+    def load_marked(ptrs, mask, *rest):
+        if not waited[0]:
+            early.append(ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)].astype(np.uint64))
+        return load(ptrs, mask, *rest)
+
+    monkeypatch.setattr(builder, "set_grid_idx", program_start)
+    monkeypatch.setattr(builder, "create_masked_load", load_marked)
+    out = kernels_attention.attention_decode(q, k, v, head_mask, kv_len, config=config)
+    torch.testing.assert_close(out, kernels_attention.attention_decode_ref(q, k, v, head_mask, kv_len))
+    addr = np.concatenate(early) if early else np.zeros(0, np.uint64)
+
+    def rows_read(t):  # [B, HKV, L]: some element of this cached key was read before the wait
+        lo, size = t.data_ptr(), t.element_size()
+        hit = addr[(addr >= lo) & (addr < lo + t.numel() * size)]
+        read = np.zeros(t.numel(), bool)
+        read[((hit - lo) // size).astype(np.int64)] = True
+        return torch.from_numpy(read).view(t.shape).any(-1)
+
+    assert not ((addr >= q.data_ptr()) & (addr < q.data_ptr() + q.numel() * 4)).any(), "q read before the wait"
+    newest = torch.arange(L)[None, :] == kv_len[:, None] - 1  # [B, L]
+    for t in (k, v):
+        read = rows_read(t)
+        assert not (read & newest[:, None, :]).any(), "a row's newest key read before the wait"
+        # early: the first key block of every item (most of the cache here) comes before the wait; else none
+        assert read.any() == (config is not None)
 
 
 @pytest.mark.parametrize("kind", KINDS)
