@@ -64,6 +64,17 @@ def _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, start, pos, kv_end, qk_scal
 
 
 @triton.jit
+def _decode_zeros(o, head_mask, b, G, sob, soh, HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr,
+                  H2: tl.constexpr, D: tl.constexpr):
+    # row b's heads whose group does not run get exact zeros (O's cuBLAS GEMM reads them)
+    hh = tl.arange(0, H2)
+    dd = tl.arange(0, D)
+    on = tl.load(head_mask + b * G + hh // HPG, mask=hh < HKV * HPK, other=1)
+    tl.store(o + b * sob + hh[:, None] * soh + dd[None, :], tl.zeros([H2, D], o.dtype.element_ty),
+             mask=(on == 0)[:, None])
+
+
+@triton.jit
 def _attn_tile(acc, m_i, l_i, qt, kt, vt, ok, qk_scale, IEEE: tl.constexpr):
     # One online-softmax step over a K/V tile already loaded (its keys where ok). A tile with no such key
     # leaves the state as it was: the shift keeps exp2 from -inf - -inf while a row's maximum is -inf.
@@ -216,10 +227,14 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     early block leaves that key out and it is folded in after the wait, as one more online-softmax step.
     Twin: attention_decode_ref.
     """
+    if EARLY == 0:
+        prior_done(PDL)
     pid = tl.program_id(0)
     dd = tl.arange(0, D)
     if EARLY == 0:
-        prior_done(PDL)  # (then the wait below returns at once)
+        if pid >= NP:
+            _decode_zeros(o, head_mask, pid - NP, G, sob, soh, HKV, HPK, HPG, H2, D)
+            return
     j = tl.arange(0, BJ)  # pair j: row j // HKV, KV head j % HKV
     jok = j < B * HKV
     live = tl.zeros([BJ], tl.int32)
@@ -233,7 +248,9 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
                     1) * BN
     cnt = tl.cdiv(n, ch)
     cum = tl.cumsum(cnt, 0)
-    has_item = (pid < tl.sum(cnt, 0)) & (pid < NP)
+    if EARLY == 0:
+        if pid >= tl.sum(cnt, 0):
+            return
     pj = tl.sum((cum <= pid).to(tl.int32), 0)  # the pair this item belongs to
     sel = j == pj
     first = tl.sum(tl.where(sel, cum - cnt, 0), 0)
@@ -242,35 +259,33 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     b, hk = pj // HKV, pj % HKV
     start = (pid - first) * ch
     end = tl.minimum(start + ch, end_all)
-    kb, vb = k + b * skb + hk * skh, v + b * svb + hk * svh
     if EARLY:  # the first block's cached keys but the row's newest (end_all - 1: the previous launch's)
+        has_item = (pid < tl.sum(cnt, 0)) & (pid < NP)
         kv0 = start + tl.arange(0, BN)
         early = kv0 < tl.where(has_item, tl.minimum(end, end_all - 1), 0)
-        k0 = tl.load(kb + kv0[:, None] * skt + dd[None, :], mask=early[:, None], other=0.0)
-        v0 = tl.load(vb + kv0[:, None] * svt + dd[None, :], mask=early[:, None], other=0.0)
-    prior_done(PDL)
-    if pid >= NP:  # row b's heads whose group does not run get exact zeros (O's cuBLAS GEMM reads them)
-        zb = pid - NP
-        hh = tl.arange(0, H2)
-        on = tl.load(head_mask + zb * G + hh // HPG, mask=hh < HKV * HPK, other=1)
-        tl.store(o + zb * sob + hh[:, None] * soh + dd[None, :], tl.zeros([H2, D], o.dtype.element_ty),
-                 mask=(on == 0)[:, None])
-        return
-    if not has_item:
-        return
+        k0 = tl.load(k + b * skb + hk * skh + kv0[:, None] * skt + dd[None, :], mask=early[:, None], other=0.0)
+        v0 = tl.load(v + b * svb + hk * svh + kv0[:, None] * svt + dd[None, :], mask=early[:, None], other=0.0)
+        prior_done(PDL)
+        if pid >= NP:
+            _decode_zeros(o, head_mask, pid - NP, G, sob, soh, HKV, HPK, HPG, H2, D)
+            return
+        if not has_item:
+            return
     r = tl.arange(0, BH)
     head = hk * HPK + r
     act = (r < HPK) & (tl.load(head_mask + b * G + head // HPG, mask=r < HPK, other=0) > 0)
     qt = tl.load(q + b * sqb + head[:, None] * sqh + dd[None, :], mask=act[:, None], other=0.0)
+    kb, vb = k + b * skb + hk * skh, v + b * svb + hk * svh
     acc = tl.zeros([BH, D], tl.float32)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     pos = r * 0 + end  # decode: every cached key up to kv_len is visible
-    rest = start  # the first key the loop below reads
+    rest = start  # the first key the loops below read
+    full = start + (end - start) // BN * BN
     if EARLY:
         acc, m_i, l_i = _attn_tile(acc, m_i, l_i, qt, k0, v0, early, qk_scale, IEEE)
         rest = start + BN
-    full = rest + tl.maximum(end - rest, 0) // BN * BN
+        full = rest + tl.maximum(end - rest, 0) // BN * BN
     for t0 in range(rest, full, BN):
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
                                     BN, D, False, IEEE)
