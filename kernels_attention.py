@@ -231,6 +231,8 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
         prior_done(PDL)
     pid = tl.program_id(0)
     dd = tl.arange(0, D)
+    # early: what is loaded before the wait bypasses L1 (.cg), so no line an earlier kernel left there is read
+    CACHE: tl.constexpr = ".cg" if EARLY else ""
     if EARLY == 0:
         if pid >= NP:
             _decode_zeros(o, head_mask, pid - NP, G, sob, soh, HKV, HPK, HPG, H2, D)
@@ -239,10 +241,11 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     jok = j < B * HKV
     live = tl.zeros([BJ], tl.int32)
     for r in tl.static_range(HPK):
-        live = live | tl.load(head_mask + (j // HKV) * G + ((j % HKV) * HPK + r) // HPG, mask=jok, other=0).to(tl.int32)
+        live = live | tl.load(head_mask + (j // HKV) * G + ((j % HKV) * HPK + r) // HPG, mask=jok, other=0,
+                              cache_modifier=CACHE).to(tl.int32)
     # WIDE skip: a KV head none of whose query-head groups runs for row b gets no work item, so its K/V
     # are never read
-    n = tl.where(live > 0, tl.load(kv_len + j // HKV, mask=jok, other=0), 0)
+    n = tl.where(live > 0, tl.load(kv_len + j // HKV, mask=jok, other=0, cache_modifier=CACHE), 0)
     # chunks of whole key blocks, about TARGET items in all, at most MC per pair (the merge reads them in turn)
     ch = tl.maximum(tl.maximum(tl.cdiv(tl.cdiv(tl.sum(n, 0), TARGET), BN), tl.cdiv(tl.cdiv(tl.max(n, 0), MC), BN)),
                     1) * BN
@@ -263,8 +266,10 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
         has_item = (pid < tl.sum(cnt, 0)) & (pid < NP)
         kv0 = start + tl.arange(0, BN)
         early = kv0 < tl.where(has_item, tl.minimum(end, end_all - 1), 0)
-        k0 = tl.load(k + b * skb + hk * skh + kv0[:, None] * skt + dd[None, :], mask=early[:, None], other=0.0)
-        v0 = tl.load(v + b * svb + hk * svh + kv0[:, None] * svt + dd[None, :], mask=early[:, None], other=0.0)
+        k0 = tl.load(k + b * skb + hk * skh + kv0[:, None] * skt + dd[None, :], mask=early[:, None], other=0.0,
+                     cache_modifier=".cg")
+        v0 = tl.load(v + b * svb + hk * svh + kv0[:, None] * svt + dd[None, :], mask=early[:, None], other=0.0,
+                     cache_modifier=".cg")
         prior_done(PDL)
         if pid >= NP:
             _decode_zeros(o, head_mask, pid - NP, G, sob, soh, HKV, HPK, HPG, H2, D)
