@@ -6,7 +6,7 @@ live and 50% skipped) and timed as bench/ops.py times that op (decode-sized ops 
     python -m bench.tune --only fp8   # only the keys whose name contains "fp8"
     python -m bench.tune --only fp8,gemm_k_small   # ... "fp8" or "gemm_k_small"
     python -m bench.tune --only gemv_mn_1 --having PIPE   # ... and of their variants only those with PIPE
-    python -m bench.tune --only gemv_mn_1,gemm_k_small,attn_decode --having PIPE,merge_block   # ... either
+    python -m bench.tune --only gemv_mn_1,gemm_k_small,attn_decode --having PIPE,merge_block,early   # ... any
     TRITON_INTERPRET=1 python -m bench.tune --smoke   # each key's first and last variant on the CPU (CI)
 
 The variants are passed to the ops as config= (CONFIGS itself is never rewritten); a key's first row is
