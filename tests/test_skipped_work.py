@@ -28,7 +28,9 @@ What is pinned (GS = 16 channels per group; "live" = some token of the step, or 
   attention_prefill: q[b, h, t] is read once if token t runs h's group, else never; the K/V of
       (b, KV head) are read up to the last active token of its query heads, and not at all if none is.
   attention_decode: K/V[b, KV head, pos] is read once if some query head of that KV head runs and
-      pos < kv_len[b], else never; an inactive query head's q is never read.
+      pos < kv_len[b], else never; an inactive query head's q is never read. With config early, whose
+      first key block comes before the PDL wait, neither q nor a row's newest key is read before it (the
+      wait replaced by a marker that splits each program's loads).
   quantize_rows (an fp8 input for _scaled_mm, SwiGLU and the mask fused) and swiglu_rows (the same in the
       model dtype): a pruned channel's gate and up are never read.
   norm_route on a prefill chunk (nothing to skip, but D split over programs must not re-read): x and the
