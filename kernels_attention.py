@@ -41,6 +41,22 @@ def attention_prefill_ref(q, k, v, head_mask, causal=True, start=0):
 
 
 @triton.jit
+def _online_softmax(acc, m_i, l_i, s, vt, IEEE: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
+    # Fold one tile's scores s [rows, keys] (exp2 domain, -inf where a key is not seen) and its values into
+    # the running (acc, max, sum). MAY_BE_EMPTY: a row may see no key of this tile while its maximum is
+    # still -inf; the shift then keeps exp2 from -inf - -inf, and the state stays as it was.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    shift = m_new
+    if MAY_BE_EMPTY:
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - shift[:, None])
+    alpha = tl.exp2(m_i - shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee" if IEEE else "tf32")
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, start, pos, kv_end, qk_scale,
                 BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
     # One online-softmax step over keys [start, start+BN) (exp2 domain). MASKED: causal + bounds.
@@ -55,12 +71,7 @@ def _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, start, pos, kv_end, qk_scal
     s = tl.dot(qt, tl.trans(kt), input_precision="ieee" if IEEE else "tf32") * qk_scale
     if MASKED:
         s = tl.where((kv[None, :] <= pos[:, None]) & (kv < kv_end)[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee" if IEEE else "tf32")
-    return acc, m_new, l_i
+    return _online_softmax(acc, m_i, l_i, s, vt, IEEE, False)
 
 
 @triton.jit
@@ -76,17 +87,9 @@ def _decode_zeros(o, head_mask, b, G, sob, soh, HKV: tl.constexpr, HPK: tl.const
 
 @triton.jit
 def _attn_tile(acc, m_i, l_i, qt, kt, vt, ok, qk_scale, IEEE: tl.constexpr):
-    # One online-softmax step over a K/V tile already loaded (its keys where ok). A tile with no such key
-    # leaves the state as it was: the shift keeps exp2 from -inf - -inf while a row's maximum is -inf.
+    # One online-softmax step over a K/V tile already loaded (its keys where ok; maybe none of them)
     s = tl.dot(qt, tl.trans(kt), input_precision="ieee" if IEEE else "tf32") * qk_scale
-    s = tl.where(ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - shift[:, None])
-    alpha = tl.exp2(m_i - shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee" if IEEE else "tf32")
-    return acc, m_new, l_i
+    return _online_softmax(acc, m_i, l_i, tl.where(ok[None, :], s, float("-inf")), vt, IEEE, True)
 
 
 @triton.jit(do_not_specialize=["T", "MT"])  # chunk lengths: see engine.warm_chunks
