@@ -205,9 +205,10 @@ def test_e2e_rows_carry_dense_bandwidth_and_the_byte_limit(e2e_run):
     assert {r["batch"] for r in decode} == {1, 6}
     for r in decode:
         assert 0 < r["dense_copy_frac"] and r["byte_limit_speedup"] >= 1 and r["wide_tok_s"] > 0
-        assert set(r["dense_ms_by_policy"]) == ({"triton", "sdpa", "cublas linears"} if r["batch"] == 1
+        assert set(r["dense_ms_by_policy"]) == ({"triton", "sdpa", "cublas linears", "merge in O"} if r["batch"] == 1
                                                 else {"triton", "sdpa"})  # (no 'PDL off' without PDL)
         assert set(r["masks"]) == {"attn_skip", "ffn_skip", "attn_union_live", "ffn_union_live"}
+    assert set(next(r for r in decode if r["batch"] == 1)["wide_ms_by_policy"]) == {"default", "merge in O"}
     assert set(next(r for r in decode if r["batch"] == 6)["wide_ms_by_policy"]) == {"default", "all sparse"}
 
 
