@@ -577,10 +577,10 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     assert live is None or (M <= BM and live.numel() == 1 + G), "live: one tile's list, the count then G groups"
     live_list = empty((grid[0] * split, GP) if live is None else (1,), torch.int32, a.device)
     ws = w_scale.contiguous() if w_scale is not None else out  # (a placeholder pointer without scales)
-    merge = {}
-    if parts is not None:
-        HD = parts.po.shape[1]
-        assert pow2_divisor(group_size, cfg["BK"]) <= HD and parts.MC & (parts.MC - 1) == 0, "partials: BK <= head dim"
+    merge, BK = {}, pow2_divisor(group_size, cfg["BK"])
+    if parts is not None:  # a K slice lies within one head (a power of two: it divides the group too)
+        HD, BK = parts.po.shape[1], min(BK, parts.po.shape[1])
+        assert parts.MC & (parts.MC - 1) == 0, "partials: max_chunks must be a power of two"
         merge = dict(HD=HD, HKV=parts.Hkv, HPK=K // HD // parts.Hkv, BJ=max(2, triton.next_power_of_2(parts.Hkv)),
                      ABN=parts.BN, MC=parts.MC)
         a = parts.po
@@ -589,7 +589,7 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
                          parts.kv_len if merge else m, M, N, K, G, a.stride(0), w.stride(0), N,
                          parts.target if merge else 0, MERGE=bool(merge),
                          **(merge or dict(HD=1, HKV=1, HPK=1, BJ=2, ABN=1, MC=1)), GS=group_size, GP=GP, BM=BM,
-                         BN=cfg["BN"], BK=pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, SPLIT=split,
+                         BN=cfg["BN"], BK=BK, GROUP_M=8, SPLIT=split,
                          HAS_RES=residual is not None, FP8=w_scale is not None, IEEE=ieee,
                          F16=0 if w_scale is None else min(cfg.get("F16", 1), 1 if ieee else 2),
                          HAS_LIVE=live is not None, PREFETCH=bool(cfg.get("PREFETCH")) and live is not None,

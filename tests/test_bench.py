@@ -156,6 +156,15 @@ def test_tune_times_each_config_passed_to_the_op(tmp_path):
     assert "| attn_decode |" in md and data["meta"]["command"].startswith("python -m bench.tune")
 
 
+def test_tune_times_o_merging_attentions_partials_against_the_pair_as_the_step_runs_it(tmp_path):
+    data, _ = smoke(tmp_path, "bench.tune", "--only", "gemm_k_merge")
+    assert list(data["results"]) == ["gemm_k_merge 1x1024", "gemm_k_merge 1x8192"]
+    for r in data["results"].values():
+        assert set(r["others_ms"]) == {"attention, then O, half the heads"}  # and the dense pair, the baseline
+        assert all("failed" not in v and v["ms"] > 0 and v["rel_err"] <= 1e-2 for v in r["variants"])
+        assert r["variants"][-1]["config"].get("FMA")
+
+
 def test_tune_takes_several_names_and_checks_the_prefetch_variant(tmp_path):
     data, _ = smoke(tmp_path, "bench.tune", "--only", "attn_decode,gemm_k_small_long_k")
     assert set(data["results"]) == {"attn_decode", "attn_decode 1x1024", "gemm_k_small_long_k",
