@@ -214,10 +214,14 @@ def set_profile(m, routers, attn, ffn, tokens):
 
 
 def fill_cache(m, context):
-    for layer in m.layers:  # as if a prompt of `context` tokens had been prefilled
+    # As if a prompt of `context` tokens had been prefilled; the same values for every engine timed (a seeded
+    # generator), so that their routers see the same states.
+    gen = None
+    for layer in m.layers:
         c = layer.self_attn.kv_cache
-        c.k_cache[:, :, :context].normal_()
-        c.v_cache[:, :, :context].normal_()
+        gen = gen or torch.Generator(c.k_cache.device).manual_seed(context)
+        c.k_cache[:, :, :context].normal_(generator=gen)
+        c.v_cache[:, :, :context].normal_(generator=gen)
 
 
 def with_engine(m, routers, policy, fn, weights="bf16"):

@@ -115,17 +115,22 @@ def time_prefill(run, e, T, reps=5):
 @torch.no_grad()
 def time_decode(run, e, batch, context, steps):
     """ms per decode step (batch new tokens) as generate() runs it: graph replay, greedy argmax, next
-    position. Also the masks the routers chose: the skipped share and the share live in the batch's union."""
+    position. Also the masks the routers chose: the skipped share and the share live in the batch's union.
+    The tokens fed are one drawn sequence per (batch, context), the same for every engine and policy timed, so
+    their masks differ only where a router's decision sits at a tie (feeding each step's own argmax instead let
+    one engine's rounding send the next tokens, and so every later mask, elsewhere: an A/B of unequal work)."""
     e.setup_caches(batch, context + steps + run.warmup + 8)
     fill_cache(e.model, context)
-    token = torch.randint(0, e.config.vocab_size, (batch, 1), device=run.device)
+    gen = torch.Generator().manual_seed(batch * 100003 + context)
+    tokens = torch.randint(0, e.config.vocab_size, (run.warmup + steps, batch, 1), generator=gen).to(run.device)
     pos = torch.full((batch,), context, device=run.device)
-    graph = (EagerDecoder if run.smoke else engine.CUDAGraphDecoder)(e, token, pos)
-    state = dict(token=token)
+    graph = (EagerDecoder if run.smoke else engine.CUDAGraphDecoder)(e, tokens[0], pos)
+    state = dict(i=0)
 
     def go(n):
         for _ in range(n):
-            state["token"] = graph(state["token"], pos).argmax(-1, keepdim=True)
+            graph(tokens[state["i"]], pos).argmax(-1, keepdim=True)  # greedy's work; its token is not fed back
+            state["i"] += 1
             pos.add_(1)
     go(run.warmup)
     ms = clock_ms(run.smoke, go, steps)

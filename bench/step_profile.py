@@ -181,7 +181,8 @@ def profile_one(run, e, batch, context, replays=20):
     """One decode step of `batch` rows at `context` cached positions through engine e: its profile."""
     e.setup_caches(batch, context + 16)
     fill_cache(e.model, context)
-    token = torch.randint(0, e.config.vocab_size, (batch, 1), device=run.device)
+    gen = torch.Generator().manual_seed(batch * 100003 + context)  # the same tokens for every engine profiled
+    token = torch.randint(0, e.config.vocab_size, (batch, 1), generator=gen).to(run.device)
     pos = torch.full((batch,), context, device=run.device)
     dec = engine.CUDAGraphDecoder(e, token, pos)  # every replay: the same step (the K/V at `context` rewritten)
     ms = clock_ms(False, lambda n: [dec(token, pos) for _ in range(n)], replays)

@@ -305,3 +305,16 @@ def test_e2e_fp8_times_each_dense_side_both_ways_and_keeps_the_faster(tmp_path):
         assert r["ms"][side] == min(r["ms"][f"{side} ({n})"] for n in names)
     assert r["dense_fp8_vs_dense_bf16"] == pytest.approx(r["ms"]["dense bf16"] / r["ms"]["dense fp8"])
     assert "dense fp8 (_scaled_mm)" in md and "| WIDE fp8 vs dense fp8 (at its best), batch 1 | not measured |" in md
+
+
+def test_decode_timing_feeds_every_engine_the_same_tokens_and_cache():
+    # An A/B between two policies must time the same work: the same tokens and cached keys, so the same masks.
+    # (Fed back, each engine's own argmax sent the next tokens, and so every later mask, its own way.)
+    import policy
+    from bench import e2e
+    run = e2e.smoke_run()
+    m, _ = common.random_model(run, max_seq_len=64)
+    e2e.calibrate_routers(m, 0.5, run.calibrate_tokens)
+    got = [common.with_engine(m, True, pol, lambda e: e2e.time_decode(run, e, 1, 24, 3)[1])
+           for pol in (policy.Policy(), policy.Policy(merge_in_o=True), policy.Policy())]
+    assert got[0] == got[1] == got[2], got
