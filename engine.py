@@ -367,12 +367,12 @@ class Engine:
             k, v = kv[:, :Hkv * d], kv[:, Hkv * d:]
             q = rope_and_store(q, k, v, step, kc, vc, H, Hkv, d).view(B, T, H, d).transpose(1, 2)
         kind, S = ops["attention"].kind, step.start  # a prefill chunk at `start` sees the start + T keys before it
-        # zeroed: every head runs, then the pruned heads' outputs are set to 0; partials: O's kernel merges them
-        zeroed, parts = kind.endswith("_zeroed"), kind.endswith("_partials")
-        kind = kind.removesuffix("_zeroed").removesuffix("_partials")
-        if kind in ("decode_live", "decode_every"):  # decode_live skips idle KV heads
-            y = attention_decode(q, kc, vc, mask if kind == "decode_live" else step.all_heads, step.kv_len,
-                                 tickets=self.tickets, partials=parts)
+        zeroed = kind.endswith("_zeroed")  # every head runs, then the pruned heads' outputs are set to 0
+        kind = kind.removesuffix("_zeroed")
+        if kind == "decode_live":
+            y = attention_decode(q, kc, vc, mask, step.kv_len, tickets=self.tickets)  # skips idle KV heads
+        elif kind == "decode_every":
+            y = attention_decode(q, kc, vc, step.all_heads, step.kv_len, tickets=self.tickets)
         elif kind == "decode_sdpa":
             y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=step.visible, enable_gqa=Hkv != H)
         elif kind == "prefill_live":  # (causal: the kernel reads no key past the chunk's last)
@@ -383,14 +383,14 @@ class Engine:
             y = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], is_causal=True, enable_gqa=Hkv != H)
         else:  # "sdpa_rows": rows S.. of the model's causal mask say which cached keys the chunk sees
             y = F.scaled_dot_product_attention(q, kc[:, :, :S + T], vc[:, :, :S + T],
-                                               attn_mask=self.model.causal_mask[S:S + T, :S + T], enable_gqa=Hkv != H)
-        if not parts:
-            y = y.transpose(1, 2)  # [B, T, H, d], laid out for O by the copy below
-            if zeroed:  # the same copy zeroes the pruned heads: [B, T, G groups, H / G heads, d]
-                y = torch.where(head_mask.view(B, T, -1, 1, 1), y.view(B, T, head_mask.shape[-1], -1, d), 0)
-            y = y.reshape(M, H * d)  # pruned heads are exact zeros here
+                                               attn_mask=self.model.causal_mask[S:S + T, :S + T],
+                                               enable_gqa=Hkv != H)
+        y = y.transpose(1, 2)  # [B, T, H, d], laid out for O by the copy below
+        if zeroed:  # the same copy zeroes the pruned heads: [B, T, G groups, H / G heads, d]
+            y = torch.where(head_mask.view(B, T, -1, 1, 1), y.view(B, T, head_mask.shape[-1], -1, d), 0)
+        y = y.reshape(M, H * d)  # pruned heads are exact zeros here
         op = ops["o"]
-        if op.kind.startswith("gemm_k_all"):  # the dense model: every group live
+        if op.kind == "gemm_k_all":  # the dense model: every group live
             gs, head_live = dense_group(nq), None
             mask = self.all_groups(M, nq // gs)
         if op.runs == "Triton":

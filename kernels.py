@@ -9,8 +9,7 @@ exits before any load, once the layout has made each group's live tokens contigu
 TRITON_INTERPRET=1 on the CPU) or fail; nothing falls back to a twin. Pruned outputs are exactly 0.
 
   gemm_mn(x[M,K], w[N,K], mask, group_size)  -> [M,N]  Q proj; gate+up fused with silu(gate)*up
-  gemm_k(a[M,K], w[N,K], mask, group_size)   -> [M,N]  O proj, down proj: (a * mask) @ w.T (for one token a
-                                                     may be decode attention's unmerged Partials, merged as read)
+  gemm_k(a[M,K], w[N,K], mask, group_size)   -> [M,N]  O proj, down proj: (a * mask) @ w.T
   (the layout: kernels_layout.py; attention over the live head groups: kernels_attention.py)
 fp8 weights (e4m3, one fp32 scale per output channel, `quantize_fp8`; or GPTQ's codes, `gptq_fp8`, and for a
 model `calibrate_fp8`): the kernels read the live groups' codes, sum in fp32 and apply the channel's scale in
@@ -27,7 +26,6 @@ import triton
 import triton.language as tl
 
 import cli
-from kernels_attention import Partials, decode_work, merge_slice
 from kernels_base import LONG_K, check_device, codes_f32, config_for, empty, launch_args, pdl_args, pow2_divisor, prior_done
 from kernels_gemv import gemv_mn
 from kernels_layout import as_layout, flat_mask
@@ -298,44 +296,29 @@ def gemm_k_ref(a, w, mask, group_size, residual=None, w_scale=None):
 
 
 @triton.jit
-def _gemm_k_a(a, mask, rows, rok, g, k0, G, sam, plse, cnt, cum, BM: tl.constexpr, BK: tl.constexpr,
-              MERGE: tl.constexpr, HD: tl.constexpr, HPK: tl.constexpr, MC: tl.constexpr):
-    # The [BM, BK] input slice at column k0 of group g; a-rows of tokens that do not run g are predicated off
-    # (intra-block skip: those slots are never read, so garbage there is harmless). MERGE (one token): a is
-    # decode attention's unmerged Partials; the slice lies in one head, whose chunk partials are merged here
-    # (decode_work gave each pair's items: cnt, cum) and rounded to the model dtype as attention's output is.
-    kk = tl.arange(0, BK)
-    on = tl.load(mask + rows * G + g, mask=rok, other=0) > 0
-    if MERGE:
-        h = k0 // HD
-        pair = tl.arange(0, cnt.shape[0]) == h // HPK  # (row 0, h's KV head)
-        n = tl.sum(tl.where(pair, cnt, 0), 0)
-        v = merge_slice(a, plse, tl.sum(tl.where(pair, cum, 0), 0) - n, n, h % HPK, k0 % HD + kk, HD, HPK, MC)
-        return tl.where((rows == 0)[:, None] & on[:, None], v.to(a.dtype.element_ty)[None, :], 0.0)
-    return tl.load(a + rows[:, None].to(tl.int64) * sam + k0 + kk[None, :], mask=on[:, None], other=0.0)
-
-
-@triton.jit
-def _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn, plse, cnt, cum,
-                  GS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
-                  MERGE: tl.constexpr, HD: tl.constexpr, HPK: tl.constexpr, MC: tl.constexpr):
-    # One BK slice of group g.
+def _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, g, step, G, sam, swn,
+                 GS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
+    # One BK slice of group g: a-rows of tokens that do not run g are predicated off
+    # (intra-block skip; those slots are never read, so garbage there is harmless).
     # BM == 1 (one token, config FMA): fp32 multiply-adds instead of a 16-row tensor-core tile, which
     # would convert every weight (fp8 codes too) for 15 rows of padding; acc is then [BN, BK] lane sums,
     # reduced once after the loop rather than every step.
     k0 = g * GS + step * BK
     kk = tl.arange(0, BK)
-    at = _gemm_k_a(a, mask, rows, rok, g, k0, G, sam, plse, cnt, cum, BM, BK, MERGE, HD, HPK, MC)
+    on = tl.load(mask + rows * G + g, mask=rok, other=0) > 0
+    at = tl.load(a + rows[:, None].to(tl.int64) * sam + k0 + kk[None, :], mask=on[:, None], other=0.0)
     wt = tl.load(w + cols[:, None].to(tl.int64) * swn + k0 + kk[None, :], mask=cok[:, None], other=0.0)
     return _gemm_k_math(acc, at, wt, BM, IEEE, F16)
 
 
 @triton.jit
-def _gemm_k_first(acc, a, wt, mask, rows, rok, g, step, G, sam, plse, cnt, cum, GS: tl.constexpr,
-                  BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr, MERGE: tl.constexpr,
-                  HD: tl.constexpr, HPK: tl.constexpr, MC: tl.constexpr):
+def _gemm_k_first(acc, a, wt, mask, rows, rok, g, step, G, sam, GS: tl.constexpr, BM: tl.constexpr,
+                  BK: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
     # _gemm_k_block with its weight slice already loaded (PREFETCH: before the PDL wait)
-    at = _gemm_k_a(a, mask, rows, rok, g, g * GS + step * BK, G, sam, plse, cnt, cum, BM, BK, MERGE, HD, HPK, MC)
+    k0 = g * GS + step * BK
+    kk = tl.arange(0, BK)
+    on = tl.load(mask + rows * G + g, mask=rok, other=0) > 0
+    at = tl.load(a + rows[:, None].to(tl.int64) * sam + k0 + kk[None, :], mask=on[:, None], other=0.0)
     return _gemm_k_math(acc, at, wt, BM, IEEE, F16)
 
 
@@ -353,13 +336,11 @@ def _gemm_k_math(acc, at, wt, BM: tl.constexpr, IEEE: tl.constexpr, F16: tl.cons
 
 
 @triton.jit
-def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, plse, kv_len, M, N, K, G, sam, swn, som,
-                   TARGET, GS: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, N, K, G, sam, swn, som,
+                   GS: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, HAS_RES: tl.constexpr,
                    FP8: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr, HAS_LIVE: tl.constexpr,
-                   PREFETCH: tl.constexpr, PIPE: tl.constexpr, MERGE: tl.constexpr, HD: tl.constexpr,
-                   HKV: tl.constexpr, HPK: tl.constexpr, BJ: tl.constexpr, ABN: tl.constexpr, MC: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PREFETCH: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr):
     """out[t, n] = sum over the groups g that token t runs of a[t, g-slice] . w[n, g-slice].
 
     Grid (cdiv(M,BM) * cdiv(N,BN),), L2-grouped. Tokens stay in their original order, so the
@@ -378,10 +359,7 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, pls
     program reads the live list and loads its first weight slice, so its weight stream starts while the
     kernel before it drains. That list is no output of the kernel just before this one (norm_route runs two or
     more launches earlier: attention or the gate+up GEMV come between), and a kernel that starts early always
-    finds the one before its predecessor finished (kernels_base.prior_done). MERGE (one token, the O
-    projection): a is decode attention's unmerged partials (kernels_attention.Partials: HD head dim, HKV KV
-    heads of HPK query heads, ABN, MC and TARGET its work list's), merged head by head as they are loaded
-    (_gemm_k_a), so attention needs no merge of its own. PIPE > 0: the K loop keeps PIPE
+    finds the one before its predecessor finished (kernels_base.prior_done). PIPE > 0: the K loop keeps PIPE
     slices in flight through shared memory (for the one-row FMA tile, which has no tl.dot for the compiler to
     pipeline by itself). PDL: see kernels_base.prior_done. Twin: gemm_k_ref.
     """
@@ -417,10 +395,6 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, pls
         if n_live < G:  # compact the live groups once into this program's scratch row
             tl.store(lst + tl.cumsum(on, 0) - 1, gg, mask=on > 0)
             tl.debug_barrier()
-    if MERGE:  # each pair's items in attention's work list (rebuilt from the head mask and kv_len)
-        _, _, _, cnt, cum = decode_work(mask, kv_len, 1, G, TARGET, HKV, HPK, GS // HD, BJ, ABN, MC, "")
-    else:
-        cnt, cum = 0, 0
     if BM == 1:  # lane sums (_gemm_k_math)
         acc = tl.zeros([BN, BK], tl.float32)
     else:
@@ -430,17 +404,16 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, pls
         lo, hi = split * per * STEPS, tl.minimum(split * per + per, G) * STEPS
         if PREFETCH:  # the first slice is at hand (all live: the list is 0, 1, ..., so g0 == lo // STEPS)
             if lo < hi:
-                acc = _gemm_k_first(acc, a, w0, mask, rows, rok, g0, lo % STEPS, G, sam, plse, cnt, cum, GS, BM, BK,
-                                     IEEE, F16, MERGE, HD, HPK, MC)
+                acc = _gemm_k_first(acc, a, w0, mask, rows, rok, g0, lo % STEPS, G, sam, GS, BM, BK, IEEE, F16)
             lo += 1
         if PIPE > 0:  # (a loop without a tl.dot is pipelined only when asked)
             for it in tl.range(lo, hi, num_stages=PIPE):
-                acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G, sam, swn,
-                                    plse, cnt, cum, GS, BM, BK, IEEE, F16, MERGE, HD, HPK, MC)
+                acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G,
+                                   sam, swn, GS, BM, BK, IEEE, F16)
         else:
             for it in range(lo, hi):
-                acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G, sam, swn,
-                                    plse, cnt, cum, GS, BM, BK, IEEE, F16, MERGE, HD, HPK, MC)
+                acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, it // STEPS, it % STEPS, G,
+                                   sam, swn, GS, BM, BK, IEEE, F16)
     else:
         # WIDE skip: only the listed groups (some token of the tile runs them) are visited; a dead group's
         # weight columns are never read
@@ -448,17 +421,16 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, pls
         lo, hi = split * per * STEPS, tl.minimum(split * per + per, n_live) * STEPS
         if PREFETCH:
             if lo < hi:
-                acc = _gemm_k_first(acc, a, w0, mask, rows, rok, g0, lo % STEPS, G, sam, plse, cnt, cum, GS, BM, BK,
-                                     IEEE, F16, MERGE, HD, HPK, MC)
+                acc = _gemm_k_first(acc, a, w0, mask, rows, rok, g0, lo % STEPS, G, sam, GS, BM, BK, IEEE, F16)
             lo += 1
         if PIPE > 0:
             for it in tl.range(lo, hi, num_stages=PIPE):
                 acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
-                                    it % STEPS, G, sam, swn, plse, cnt, cum, GS, BM, BK, IEEE, F16, MERGE, HD, HPK, MC)
+                                   it % STEPS, G, sam, swn, GS, BM, BK, IEEE, F16)
         else:
             for it in range(lo, hi):
                 acc = _gemm_k_block(acc, a, w, mask, rows, rok, cols, cok, tl.load(lst + it // STEPS),
-                                    it % STEPS, G, sam, swn, plse, cnt, cum, GS, BM, BK, IEEE, F16, MERGE, HD, HPK, MC)
+                                   it % STEPS, G, sam, swn, GS, BM, BK, IEEE, F16)
     if BM == 1:
         acc = tl.sum(acc, 1)[None, :]
     ok = rok[:, None] & cok[None, :]
@@ -523,8 +495,6 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     "atomic" dequantizes first).
     live: the router's live list of this mask (kernels_step.norm_route), int32 [1 + G]; a decode step's
     tile (all its tokens) reads it instead of scanning the mask.
-    a may be kernels_attention.Partials (one token): decode attention's unmerged output, merged here as it is
-    read (the O projection); the mask must give the KV heads it ran the same liveness.
 
     method="tile" (default): deterministic, no atomics (see _gemm_k_kernel).
     method="atomic": per-group sorted tiles + fp32 atomics (the authors' scheme; not deterministic).
@@ -533,10 +503,6 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     unread); "atomic" skips them but pays fp32 atomic adds per output element. Both are timed in
     results/kernels_h200.md ("down" and "o_proj" rows, tile and atomic).
     """
-    parts = a if isinstance(a, Partials) else None
-    if parts is not None:
-        assert parts.head_mask.shape[0] == 1 and method == "tile", "partials: one token, method 'tile'"
-        a = torch.empty((1, w.shape[1]), dtype=parts.dtype, device=parts.po.device)  # (its shape and dtype only)
     check_device(a)
     M, K = a.shape
     N = w.shape[0]
@@ -559,8 +525,7 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
         return out32.to(a.dtype) if residual is None else residual + out32.to(a.dtype)
     assert method in ("tile", "atomic"), "method must be 'tile' or 'atomic'"
     m = flat_mask(mask_or_layout).view(torch.uint8)
-    small = ("gemm_k_merge" if parts else "gemm_k_small_long_k" if K >= LONG_K else "gemm_k_small") + \
-        ("_fp8" if w_scale is not None else "")
+    small = ("gemm_k_small_long_k" if K >= LONG_K else "gemm_k_small") + ("_fp8" if w_scale is not None else "")
     cfg = config_for(small if M <= GEMV_MAX_TOKENS else "gemm_k", config)
     split = cfg.get("SPLIT", 1)
     BM = 1 if M == 1 and cfg.get("FMA") else cfg["BM"]  # FMA: one token as a one-row tile, no tl.dot
@@ -577,19 +542,10 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     assert live is None or (M <= BM and live.numel() == 1 + G), "live: one tile's list, the count then G groups"
     live_list = empty((grid[0] * split, GP) if live is None else (1,), torch.int32, a.device)
     ws = w_scale.contiguous() if w_scale is not None else out  # (a placeholder pointer without scales)
-    merge, BK = {}, pow2_divisor(group_size, cfg["BK"])
-    if parts is not None:  # a K slice lies within one head (a power of two: it divides the group too)
-        HD, BK = parts.po.shape[1], min(BK, parts.po.shape[1])
-        assert parts.MC & (parts.MC - 1) == 0, "partials: max_chunks must be a power of two"
-        merge = dict(HD=HD, HKV=parts.Hkv, HPK=K // HD // parts.Hkv, BJ=max(2, triton.next_power_of_2(parts.Hkv)),
-                     ABN=parts.BN, MC=parts.MC)
-        a = parts.po
     _gemm_k_kernel[grid](a, w, ws, out, residual if residual is not None else out, part, tickets, m,
-                         m if live is None else live, live_list, parts.plse if merge else out,
-                         parts.kv_len if merge else m, M, N, K, G, a.stride(0), w.stride(0), N,
-                         parts.target if merge else 0, MERGE=bool(merge),
-                         **(merge or dict(HD=1, HKV=1, HPK=1, BJ=2, ABN=1, MC=1)), GS=group_size, GP=GP, BM=BM,
-                         BN=cfg["BN"], BK=BK, GROUP_M=8, SPLIT=split,
+                         m if live is None else live, live_list,
+                         M, N, K, G, a.stride(0), w.stride(0), N, GS=group_size, GP=GP, BM=BM,
+                         BN=cfg["BN"], BK=pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, SPLIT=split,
                          HAS_RES=residual is not None, FP8=w_scale is not None, IEEE=ieee,
                          F16=0 if w_scale is None else min(cfg.get("F16", 1), 1 if ieee else 2),
                          HAS_LIVE=live is not None, PREFETCH=bool(cfg.get("PREFETCH")) and live is not None,

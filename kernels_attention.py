@@ -5,12 +5,10 @@ Same contract as kernels.py: each op has a PyTorch twin (`*_ref`: SDPA, then the
 (token, head-group) outputs set to 0), and the op itself always launches its Triton kernels.
   attention_prefill(q[B,H,T,d], k, v[B,Hkv,T,d], head_mask[B,T,G] or its Layout)  -> [B,H,T,d]
   attention_decode(q[B,H,1,d], k_cache, v_cache[B,Hkv,L,d], head_mask[B,G], kv_len[B]) -> [B,H,1,d]
-      (or, partials=True, its chunks' partials unmerged: Partials, which kernels.gemm_k merges as it reads them)
 K/V are never pruned (the cache stays complete); what is skipped is the work of the query
 heads a token skips, and in decode the K/V reads of a KV head none of whose query heads run.
 """
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -204,47 +202,12 @@ def attention_decode_ref(q, k_cache, v_cache, head_mask, kv_len):
 
 
 @triton.jit
-def decode_work(head_mask, kv_len, B, G, TARGET, HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr,
-                BJ: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr, CACHE: tl.constexpr):
-    """Decode attention's work list, from the head mask and kv_len alone (so the kernel that merges the
-    partials can rebuild it): per pair j (row j // HKV, KV head j % HKV) its n keys to read, cut into cnt
-    chunks of ch keys; the pair's items are cum - cnt .. cum - 1."""
-    j = tl.arange(0, BJ)
-    jok = j < B * HKV
-    live = tl.zeros([BJ], tl.int32)
-    for r in tl.static_range(HPK):
-        live = live | tl.load(head_mask + (j // HKV) * G + ((j % HKV) * HPK + r) // HPG, mask=jok, other=0,
-                              cache_modifier=CACHE).to(tl.int32)
-    # WIDE skip: a KV head none of whose query-head groups runs for row b gets no work item, so its K/V
-    # are never read
-    n = tl.where(live > 0, tl.load(kv_len + j // HKV, mask=jok, other=0, cache_modifier=CACHE), 0)
-    # chunks of whole key blocks, about TARGET items in all, at most MC per pair (the merge reads them in turn)
-    ch = tl.maximum(tl.maximum(tl.cdiv(tl.cdiv(tl.sum(n, 0), TARGET), BN), tl.cdiv(tl.cdiv(tl.max(n, 0), MC), BN)),
-                    1) * BN
-    cnt = tl.cdiv(n, ch)
-    return j, n, ch, cnt, tl.cumsum(cnt, 0)
-
-
-@triton.jit
-def merge_slice(po, plse, first, n, r, dd, D: tl.constexpr, HPK: tl.constexpr, MC: tl.constexpr):
-    """Columns dd of query head r (of its KV head) merged over its pair's n chunk partials, items first..:
-    sum_c 2^(lse_c - max) po_c / sum_c 2^(lse_c - max), in fp32 (n = 0: zeros, nothing read)."""
-    c = tl.arange(0, MC)
-    ok = c < n
-    rows = (first + c) * HPK + r
-    lse = tl.load(plse + rows, mask=ok, other=float("-inf"))
-    wgt = tl.where(ok, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-    part = tl.load(po + rows[:, None] * D + dd[None, :], mask=ok[:, None], other=0.0)
-    return tl.sum(wgt[:, None] * part, 0) / tl.maximum(tl.sum(wgt, 0), 1e-30)
-
-
-@triton.jit
 def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, NP, TARGET,
                         sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
                         HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, H2: tl.constexpr,
                         BJ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr,
                         MB: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, EARLY: tl.constexpr,
-                        DEFER: tl.constexpr, PDL: tl.constexpr):
+                        PDL: tl.constexpr):
     """Split-KV decode attention (one query token per row) over a work list of live items only.
 
     The work is a list of items (row b, KV head, chunk of that row's cached keys), built in every
@@ -265,8 +228,6 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     launches back), kv_len (formed at the step's start) and the cached K/V are final by then, except each
     row's newest key, which the previous launch (the Q, K, V epilogue or the RoPE kernel) writes. So the
     early block leaves that key out and it is folded in after the wait, as one more online-softmax step.
-    DEFER: every item stores its partial and nothing is merged here (no ticket, no zeros programs): the O
-    projection's kernel merges a head's partials as it loads that head's slice (kernels.gemm_k, Partials).
     Twin: attention_decode_ref.
     """
     if EARLY == 0:
@@ -279,7 +240,20 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
         if pid >= NP:
             _decode_zeros(o, head_mask, pid - NP, G, sob, soh, HKV, HPK, HPG, H2, D)
             return
-    j, n, ch, cnt, cum = decode_work(head_mask, kv_len, B, G, TARGET, HKV, HPK, HPG, BJ, BN, MC, CACHE)
+    j = tl.arange(0, BJ)  # pair j: row j // HKV, KV head j % HKV
+    jok = j < B * HKV
+    live = tl.zeros([BJ], tl.int32)
+    for r in tl.static_range(HPK):
+        live = live | tl.load(head_mask + (j // HKV) * G + ((j % HKV) * HPK + r) // HPG, mask=jok, other=0,
+                              cache_modifier=CACHE).to(tl.int32)
+    # WIDE skip: a KV head none of whose query-head groups runs for row b gets no work item, so its K/V
+    # are never read
+    n = tl.where(live > 0, tl.load(kv_len + j // HKV, mask=jok, other=0, cache_modifier=CACHE), 0)
+    # chunks of whole key blocks, about TARGET items in all, at most MC per pair (the merge reads them in turn)
+    ch = tl.maximum(tl.maximum(tl.cdiv(tl.cdiv(tl.sum(n, 0), TARGET), BN), tl.cdiv(tl.cdiv(tl.max(n, 0), MC), BN)),
+                    1) * BN
+    cnt = tl.cdiv(n, ch)
+    cum = tl.cumsum(cnt, 0)
     if EARLY == 0:
         if pid >= tl.sum(cnt, 0):
             return
@@ -338,15 +312,12 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
             acc = acc * alpha[:, None] + pn[:, None] * vn[None, :]
             m_i = m_new
     optr = o + b * sob + head[:, None] * soh + dd[None, :]
-    if DEFER == 0:
-        if items == 1:  # the pair's keys in one chunk: nothing to merge
-            tl.store(optr, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=act[:, None])
-            return
+    if items == 1:  # the pair's keys in one chunk: nothing to merge
+        tl.store(optr, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=act[:, None])
+        return
     row = pid * HPK + r
     tl.store(po + row[:, None] * D + dd[None, :], acc / l_i[:, None], mask=(r < HPK)[:, None])
     tl.store(plse + row, m_i + tl.log2(l_i), mask=r < HPK)
-    if DEFER:  # the O projection merges the partials as it loads them (kernels.gemm_k with partials)
-        return
     tl.debug_barrier()  # this program's partial is stored before its ticket is taken (release)
     if tl.atomic_add(tickets + pj, 1) != items - 1:
         return
@@ -387,49 +358,8 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
 DECODE_KERNEL = _attn_decode_kernel
 
 
-class Partials(NamedTuple):
-    """attention_decode's output with partials=True, unmerged: per work item the normalised partial of its
-    chunk, po [items * hpk, D] fp32, and its log2-sum-exp, plse [items * hpk]; the rest rebuilds the work
-    list (decode_work) and says the output's dtype."""
-    po: torch.Tensor
-    plse: torch.Tensor
-    head_mask: torch.Tensor  # uint8 [B, G]
-    kv_len: torch.Tensor  # int32 [B]
-    target: int
-    BN: int
-    MC: int
-    Hkv: int
-    dtype: torch.dtype
-
-
-def decode_work_ref(p, H):
-    """Twin of decode_work for Partials p of H query heads: (first item, item count), int64 [B * Hkv] each."""
-    B, G = p.head_mask.shape
-    live = p.head_mask.bool().repeat_interleave(H // G, 1).view(B, p.Hkv, H // p.Hkv).any(-1)
-    n = torch.where(live, p.kv_len.long().view(B, 1), 0).view(-1)  # keys per pair
-    BN, cdiv = p.BN, lambda a, b: -(-a // b)
-    ch = max(cdiv(cdiv(int(n.sum()), p.target), BN), cdiv(cdiv(int(n.max()), p.MC), BN), 1) * BN
-    cnt = cdiv(n, ch)
-    return torch.cumsum(cnt, 0) - cnt, cnt
-
-
-def merge_partials_ref(p, H):
-    """Partials -> [B, H, 1, D] in p.dtype, merged as attention_decode merges them (zeros for skipped heads)."""
-    B, G = p.head_mask.shape
-    hpk, D = H // p.Hkv, p.po.shape[1]
-    first, cnt = decode_work_ref(p, H)
-    out = torch.zeros(B, H, 1, D, dtype=torch.float32, device=p.po.device)
-    for j in range(B * p.Hkv):
-        for r in range(hpk):
-            rows = (first[j] + torch.arange(int(cnt[j]), device=p.po.device)) * hpk + r
-            wgt = torch.softmax(p.plse[rows] * math.log(2), 0)  # 2^lse, normalised
-            out[j // p.Hkv, j % p.Hkv * hpk + r, 0] = (wgt[:, None] * p.po[rows]).sum(0)
-    return torch.where(p.head_mask.bool().repeat_interleave(H // G, 1)[:, :, None, None], out, 0).to(p.dtype)
-
-
-def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, tickets=None, partials=False):
-    """q[B,H,1,d], k/v cache [B,Hkv,L,d], head_mask [B,G], kv_len [B] -> [B,H,1,d], or with partials=True
-    the unmerged Partials that kernels.gemm_k (the O projection) merges as it reads them.
+def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, tickets=None):
+    """q[B,H,1,d], k/v cache [B,Hkv,L,d], head_mask [B,G], kv_len [B] -> [B,H,1,d].
     kv_len[b] must lie in [1, L] (a decode step's row holds at least its own key; the engine's always do):
     the kernel does not clamp it (a length past L would read past the cache, 0 would leave the row's live
     heads unwritten), since checking it on the host would cost a sync per step.
@@ -452,15 +382,15 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, ticket
     assert tickets.numel() >= B * Hkv and tickets.dtype == torch.int32, "one int32 ticket per (row, KV head)"
     po = empty((n_prog * hpk, D), torch.float32, q.device)
     plse = empty((n_prog * hpk,), torch.float32, q.device)
-    o = po if partials else empty((B, H, 1, D), q.dtype, q.device)
-    mask, kv_len = head_mask.contiguous().view(torch.uint8), kv_len.to(device=q.device, dtype=torch.int32)
-    _attn_decode_kernel[(n_prog + (0 if partials else B),)](
-        q, k_cache, v_cache, mask, kv_len, po, plse, tickets, o, B, G, n_prog, target,
+    o = empty((B, H, 1, D), q.dtype, q.device)
+    _attn_decode_kernel[(n_prog + B,)](
+        q, k_cache, v_cache, head_mask.contiguous().view(torch.uint8), kv_len.to(device=q.device, dtype=torch.int32),
+        po, plse, tickets, o, B, G, n_prog, target,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
         (1.0 / math.sqrt(D)) * 1.4426950408889634, HKV=Hkv, HPK=hpk, HPG=H // G,
         H2=triton.next_power_of_2(H), BJ=max(2, triton.next_power_of_2(B * Hkv)),
         BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"], MB=cfg.get("merge_block", 1),
-        D=D, EARLY=int(cfg.get("early", False)), DEFER=partials,
+        D=D, EARLY=int(cfg.get("early", False)),
         IEEE=q.dtype == torch.float32, **launch_args(cfg), **pdl_args(q.device))
-    return Partials(po, plse, mask, kv_len, target, cfg["BN"], cfg["max_chunks"], Hkv, q.dtype) if partials else o
+    return o

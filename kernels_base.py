@@ -40,10 +40,6 @@ CONFIGS = {
     "gemm_k_small_long_k": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=4),
     "gemm_k_small_fp8": dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=6, SPLIT=4),
     "gemm_k_small_long_k_fp8": dict(BM=16, BN=128, BK=128, num_warps=4, num_stages=6, SPLIT=8),
-    # Decode O merging attention's partials (Policy.merge_in_o): the partial tiles in flight cost shared memory
-    # and registers, so fewer stages than gemm_k_small's keep its programs in one wave (not tuned yet).
-    "gemm_k_merge": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3, SPLIT=4),
-    "gemm_k_merge_fp8": dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=4, SPLIT=4),
     "gemm_k_atomic": dict(BN=128, BK=64, num_warps=8, num_stages=3),
     "attn_prefill": dict(BM=128, BN=64, num_warps=8, num_stages=3),
     # Decode attention: a work list of about programs_per_sm x SMs (row, KV head, chunk) items, at most
@@ -70,7 +66,6 @@ if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per ele
         "gemm_k": dict(BM=16, BN=32, BK=16), "gemm_k_small": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_small_long_k": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_small_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2), "gemm_k_small_long_k_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2),
-        "gemm_k_merge": dict(BM=16, BN=32, BK=16, SPLIT=2), "gemm_k_merge_fp8": dict(BM=16, BN=32, BK=16, SPLIT=2),
         "gemm_k_atomic": dict(BN=32, BK=16),
         "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, programs_per_sm=4, max_chunks=4),
         "norm_route_parts": dict(BT=16, BK=16, DS=32, FINISH_BK=32, finish_warps=4),

@@ -63,8 +63,6 @@ KINDS = {
     "rope": "RoPE + KV-cache write (rope_and_store)",
     "decode_live": "per row, only the KV heads whose head group runs are read (attn_decode's work list)",
     "decode_every": "each row's cache up to its length, every head (attn_decode's work list)",
-    "decode_live_partials": "decode_live, each chunk's partial stored unmerged (O's kernel merges them)",
-    "decode_every_partials": "decode_every, each chunk's partial stored unmerged (O's kernel merges them)",
     "decode_sdpa": "SDPA over the whole cache with a length mask",
     "prefill_live": "the live (group, query-tile) items only (attn_prefill over the layout)",
     "prefill_every": "attn_prefill with every head on (a chunk after the first)",
@@ -81,8 +79,6 @@ KINDS = {
     "gemm_k": "the live groups' weight columns only (gemm_k; few tokens: from the router's live list), residual add in "
               "the epilogue",
     "gemm_k_all": "gemm_k with every group live (the dense model through WIDE's kernel), residual fused",
-    "gemm_k_merge": "gemm_k, merging attention's partials head by head as it reads them",
-    "gemm_k_all_merge": "gemm_k_all, merging attention's partials head by head as it reads them",
     "embed": "embedding lookup",
 }
 
@@ -141,9 +137,6 @@ class Policy:
     # the live-tile kernel cost more than they skip; below sparse_prefill_min_tokens nothing else reads the layout.
     # 0: the live tiles at every length. (results/prefill_chunks_h100_every_head.md against the live tiles)
     live_attention_min_tokens: int = 1024
-    # A one-token decode step's attention stores its chunks' partials unmerged, and the O projection's gemm_k
-    # merges each head's as it reads them: no ticket and no merge pass in attention (off until timed).
-    merge_in_o: bool = False
 
     def plan(self, shape, routers):
         """The whole step: routers is one (attn, ffn) pair per layer, each None (no router), "wide" (a
@@ -171,10 +164,6 @@ class Policy:
             ops["rope"] = Op("rope", "Triton", kernels=("rope_kernel",))
         ops["attention"] = attention
         ops["o"] = self.o_op(shape, attn_router, w)
-        if (self.merge_in_o and shape.tokens == 1 and attention.kind in ("decode_live", "decode_every")
-                and ops["o"].kind in ("gemm_k", "gemm_k_all")):
-            ops["attention"] = attention._replace(kind=attention.kind + "_partials")
-            ops["o"] = ops["o"]._replace(kind=ops["o"].kind + "_merge")
         ops["ffn_norm"] = self.norm_op(shape, ffn_router)
         gate_up = self.gate_up_op(shape, ffn_router, w)
         if gate_up.kind == "tiles_fused":

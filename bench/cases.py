@@ -275,46 +275,6 @@ def case_decode_attention(s, B=None, L=None):
                 keep=lambda mask: mask.repeat_interleave(hpg, 1)[:, :, None, None].expand(B, H, 1, HD))
 
 
-def case_attention_o(s, L):
-    """One token's decode attention, its partials merged by the O projection's gemm_k (+ residual:
-    Policy.merge_in_o); a config goes to that gemm_k. Baselines: the dense pair (SDPA, cuBLAS), and the pair as
-    the step runs it now (attention merges, then gemm_k), at half the heads live."""
-    e, H, HKV, HD, D = s.dtype.itemsize, s.H, s.HKV, s.HD, s.D
-    nbytes = e * (2 * HKV * L * HD + D * H * HD + 2 * D)
-    copies = rotation(s, 1, nbytes, (2 * HKV * L * HD + D * H * HD) * e / nbytes)
-    q, res = torch.randn(1, H, 1, HD, device=s.device, dtype=s.dtype), torch.randn(1, D, device=s.device, dtype=s.dtype)
-    kv = [(torch.randn(1, HKV, L, HD, device=s.device, dtype=s.dtype),
-           torch.randn(1, HKV, L, HD, device=s.device, dtype=s.dtype)) for _ in range(copies)]
-    w = weights(s, D, H * HD, copies)
-    kv_len = torch.full((1,), L, device=s.device, dtype=torch.int32)
-    tickets = torch.zeros(max(D, HKV), dtype=torch.int32, device=s.device)  # the engine's one zeroed buffer
-    lives = router_lists(1)
-    half = (torch.arange(HKV, device=s.device) % 2 == 0).view(1, HKV)
-
-    def sparse(mask, i, config=None):
-        parts = attention_decode(q, kv[i][0], kv[i][1], mask, kv_len, tickets=tickets, partials=True)
-        return kernels.gemm_k(parts, w[i], mask, s.attn_gs, residual=res, tickets=tickets, config=config,
-                              live=lives(mask))
-
-    def unmerged(i):
-        y = attention_decode(q, kv[i][0], kv[i][1], half, kv_len, tickets=tickets).reshape(1, H * HD)
-        return kernels.gemm_k(y, w[i], half, s.attn_gs, residual=res, tickets=tickets, live=lives(half))
-
-    def dense(i):
-        y = F.scaled_dot_product_attention(q, kv[i][0], kv[i][1], enable_gqa=True)
-        return res + F.linear(y.reshape(1, H * HD), w[i])
-
-    def reference(mask):
-        y = attention_decode_ref(q.float(), kv[0][0].float(), kv[0][1].float(), mask, kv_len).reshape(1, H * HD)
-        return kernels.gemm_k_ref(y, w[0].float(), mask, s.attn_gs, residual=res.float())
-
-    return Case("decode attention, O merging its partials, + residual", 1, 1, L, (1, HKV),
-                4 * H * L * HD + 2 * D * H * HD, nbytes, (2 * HKV * L * HD + D * H * HD) * e / nbytes, copies,
-                dense={"dense": [lambda i=i: dense(i) for i in range(copies)],
-                       "attention, then O, half the heads": [lambda i=i: unmerged(i) for i in range(copies)]},
-                sparse=sparse, reference=reference, keep=lambda mask: None)
-
-
 def case_norm_route(s, T, G):
     """A prefill chunk's residual add + RMSNorm + router (kernels_step.norm_route) for a G-group router: h,
     RMSNorm(h) and the decisions, checked against the twin (one flipped decision fails the check). A config goes

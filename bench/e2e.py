@@ -190,8 +190,6 @@ def decode_row(run, m, batch, context, log):
     dense_policies = {"triton": Policy(), "sdpa": Policy(dense_decode_attention="sdpa")}
     if batch <= Policy().dense_gemv_max_tokens:
         dense_policies["cublas linears"] = Policy(dense_gemv_max_tokens=0)
-    merge = {"merge in O": Policy(merge_in_o=True)} if batch == 1 else {}  # attention's partials merged by O
-    dense_policies.update(merge)
     for name, pol in dense_policies.items():
         dense[name] = with_engine(m, False, pol, lambda e: time_decode(run, e, batch, context, steps)[0])
         log(f"  dense ({name}): {dense[name]:.3f} ms")
@@ -201,7 +199,7 @@ def decode_row(run, m, batch, context, log):
         with kernels_base.pdl_off():
             dense["PDL off"] = with_engine(m, False, best, lambda e: time_decode(run, e, batch, context, steps)[0])
         log(f"  dense (its best without PDL): {dense['PDL off']:.3f} ms")
-    policies = {"default": Policy(), **merge}
+    policies = {"default": Policy()}
     if not small:
         policies["all sparse"] = Policy(sparse_decode_max_tokens=64)
     for name, pol in policies.items():

@@ -92,7 +92,7 @@ def op_bytes(m, plan, batch, context, masks):
     for layer in plan.layers:
         for name, op in layer.items():
             w = 1 if op.weights in ("fp8", "fp8 x fp8") else e  # e4m3 codes: a byte each
-            skips = op.kind in ("gemv", "gemv_fused", "gemm_k", "gemm_k_merge", "tiles", "tiles_fused")
+            skips = op.kind in ("gemv", "gemv_fused", "gemm_k", "tiles", "tiles_fused")
             if name == "qkv":
                 add(name, D * (H * d * (a_union if skips else 1) + 2 * Hkv * d) * w)
             elif name == "o":
@@ -102,7 +102,7 @@ def op_bytes(m, plan, batch, context, masks):
             elif name == "down":
                 add(name, D * I * (f_union if skips else 1) * w)
             elif name == "attention":
-                add(name, kv * (a_row if op.kind.startswith("decode_live") else 1))
+                add(name, kv * (a_row if op.kind == "decode_live" else 1))
     add("step_head", c.vocab_size * D * e)
     return out
 

@@ -17,8 +17,7 @@ import functools
 
 import cli
 import kernels_base
-from bench.cases import (case_attention_o, case_decode_attention, case_gate_up, case_k, case_norm_route,
-                         case_prefill_attention, case_q,
+from bench.cases import (case_decode_attention, case_gate_up, case_k, case_norm_route, case_prefill_attention, case_q,
                          check, command_line, rand_mask)
 from bench.common import bench_ms, graph_ms, meta, save
 
@@ -54,10 +53,6 @@ def tune_table(s):
             # early: the work list and the first key block loaded before the PDL wait
             *[v(w, 2, BN=bn, programs_per_sm=4, max_chunks=16, merge_block=mb, early=True)
               for w, bn, mb in ((8, 128, 1), (8, 128, 8), (4, 64, 8), (8, 64, 16))]]
-    # gemm_k merging decode attention's partials (Policy.merge_in_o), after the attention it merges
-    merge_o = [*[v(w, st, BM=16, BN=bn, BK=128, SPLIT=sp) for w, st, bn, sp in
-                 ((4, 6, 64, 4), (4, 2, 64, 4), (4, 3, 32, 4), (4, 3, 64, 8), (8, 3, 64, 4))],
-               *[v(4, 3, BM=16, BN=bn, BK=128, SPLIT=sp, FMA=True, PIPE=p) for bn, sp, p in ((16, 4, 0), (32, 8, 3))]]
     # PREFETCH: the current config with the first live slice's weights loaded before the PDL wait
     pre = lambda key: dict(kernels_base.CONFIGS[key], PREFETCH=True)
     return {
@@ -121,7 +116,6 @@ def tune_table(s):
         "attn_decode": (lambda: case_decode_attention(s), attn),
         # batch 1, a 1k cache: a few items per live KV head, so latency (the merge's round trips), not bytes
         "attn_decode 1x1024": (lambda: case_decode_attention(s, 1, 64 if s.smoke else 1024), attn),
-        **{f"gemm_k_merge 1x{L}": (lambda L=L: case_attention_o(s, 64 if s.smoke else L), merge_o) for L in (1024, 8192)},
     }
 
 

@@ -90,7 +90,7 @@ def attention_args(cfg):
                 sqb=H * HD, sqh=HD, skb=HKV * CTX * HD, skh=CTX * HD, skt=HD, svb=HKV * CTX * HD, svh=CTX * HD, svt=HD,
                 sob=H * HD, soh=HD, qk_scale=0.1275, HKV=HKV, HPK=H // HKV, HPG=H // HKV, H2=H, BJ=HKV,
                 BH=16, BN=cfg["BN"], MC=cfg["max_chunks"], MB=cfg.get("merge_block", 1), D=HD, IEEE=False,
-                EARLY=int(cfg.get("early", False)), DEFER=0, PDL=1)
+                EARLY=int(cfg.get("early", False)), PDL=1)
 
 
 def cases():

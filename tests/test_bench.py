@@ -156,15 +156,6 @@ def test_tune_times_each_config_passed_to_the_op(tmp_path):
     assert "| attn_decode |" in md and data["meta"]["command"].startswith("python -m bench.tune")
 
 
-def test_tune_times_o_merging_attentions_partials_against_the_pair_as_the_step_runs_it(tmp_path):
-    data, _ = smoke(tmp_path, "bench.tune", "--only", "gemm_k_merge")
-    assert list(data["results"]) == ["gemm_k_merge 1x1024", "gemm_k_merge 1x8192"]
-    for r in data["results"].values():
-        assert set(r["others_ms"]) == {"attention, then O, half the heads"}  # and the dense pair, the baseline
-        assert all("failed" not in v and v["ms"] > 0 and v["rel_err"] <= 1e-2 for v in r["variants"])
-        assert r["variants"][-1]["config"].get("FMA")
-
-
 def test_tune_takes_several_names_and_checks_the_prefetch_variant(tmp_path):
     data, _ = smoke(tmp_path, "bench.tune", "--only", "attn_decode,gemm_k_small_long_k")
     assert set(data["results"]) == {"attn_decode", "attn_decode 1x1024", "gemm_k_small_long_k",
@@ -214,10 +205,9 @@ def test_e2e_rows_carry_dense_bandwidth_and_the_byte_limit(e2e_run):
     assert {r["batch"] for r in decode} == {1, 6}
     for r in decode:
         assert 0 < r["dense_copy_frac"] and r["byte_limit_speedup"] >= 1 and r["wide_tok_s"] > 0
-        assert set(r["dense_ms_by_policy"]) == ({"triton", "sdpa", "cublas linears", "merge in O"} if r["batch"] == 1
+        assert set(r["dense_ms_by_policy"]) == ({"triton", "sdpa", "cublas linears"} if r["batch"] == 1
                                                 else {"triton", "sdpa"})  # (no 'PDL off' without PDL)
         assert set(r["masks"]) == {"attn_skip", "ffn_skip", "attn_union_live", "ffn_union_live"}
-    assert set(next(r for r in decode if r["batch"] == 1)["wide_ms_by_policy"]) == {"default", "merge in O"}
     assert set(next(r for r in decode if r["batch"] == 6)["wide_ms_by_policy"]) == {"default", "all sparse"}
 
 
@@ -316,5 +306,5 @@ def test_decode_timing_feeds_every_engine_the_same_tokens_and_cache():
     m, _ = common.random_model(run, max_seq_len=64)
     e2e.calibrate_routers(m, 0.5, run.calibrate_tokens)
     got = [common.with_engine(m, True, pol, lambda e: e2e.time_decode(run, e, 1, 24, 3)[1])
-           for pol in (policy.Policy(), policy.Policy(merge_in_o=True), policy.Policy())]
+           for pol in (policy.Policy(), policy.Policy(sparse_decode_max_tokens=0), policy.Policy())]
     assert got[0] == got[1] == got[2], got

@@ -9,39 +9,16 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def jit_functions():
-    """(file, function) of every function in the kernel files."""
-    import ast
-    for name in ("kernels.py", "kernels_gemv.py", "kernels_attention.py", "kernels_layout.py", "kernels_step.py"):
-        tree = ast.parse(open(os.path.join(ROOT, name)).read())
-        yield from ((name, fn) for fn in tree.body if isinstance(fn, ast.FunctionDef))
-
-
 def pdl_kernels():
     """(file, kernel name, body) of every @triton.jit function in the kernel files that takes PDL."""
-    return [(name, fn.name, fn) for name, fn in jit_functions()
-            if "PDL" in [a.arg for a in fn.args.args] and fn.name != "prior_done"]
-
-
-def reads_of(fn, args, names, helpers):
-    """A helper called before a wait, read through: the caller's names that the pointers of its loads are
-    formed from (args: the call's arguments, in the helper's parameter order); it must store nothing and
-    call no other helper."""
     import ast
-    params = [a.arg for a in fn.args.args]
-    formed = {p: names(a) for p, a in zip(params, args)}
-    local = lambda node: set().union(*[formed.get(n.id, set()) for n in ast.walk(node) if isinstance(n, ast.Name)])
-    read = set()
-    for node in ast.walk(fn):
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            formed[node.targets[0].id] = local(node.value)
-        if isinstance(node, ast.Call):
-            name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
-            assert name not in ("store", "atomic_add", "atomic_xchg"), f"{fn.name} stores, and runs before a wait"
-            assert name not in helpers, f"{fn.name} calls {name}: one level of helpers is read through, not two"
-            if name == "load":
-                read |= local(node.args[0])
-    return read
+    found = []
+    for name in ("kernels.py", "kernels_gemv.py", "kernels_attention.py", "kernels_layout.py", "kernels_step.py"):
+        tree = ast.parse(open(os.path.join(ROOT, name)).read())
+        for fn in tree.body:
+            if isinstance(fn, ast.FunctionDef) and "PDL" in [a.arg for a in fn.args.args] and fn.name != "prior_done":
+                found.append((name, fn.name, fn))
+    return found
 
 
 # What a kernel may read before its wait: weights, which no kernel of a step writes (the router's, the norm's),
@@ -80,8 +57,7 @@ def test_every_kernel_that_takes_pdl_waits_before_its_first_load_or_store():
     # what that kernel writes, or any store, before the wait is a race that the interpreter never shows (it
     # runs no PDL) and a GPU shows only now and then. So the rule is kept by construction, in every binary a
     # kernel's constexpr flags select: prior_done(PDL) is a top-level statement (so on every path), and before
-    # it the kernel stores nothing, and loads (itself or in a helper it calls) only from what READ_BEFORE_WAIT
-    # names for it.
+    # it the kernel stores nothing, calls no helper, and loads only from what READ_BEFORE_WAIT names for it.
     import ast
     kernels_with_pdl = pdl_kernels()
     assert {"_gemv_mn_kernel", "_gemm_k_kernel", "_attn_decode_kernel", "_norm_route_kernel",
@@ -89,7 +65,6 @@ def test_every_kernel_that_takes_pdl_waits_before_its_first_load_or_store():
         {k for _, k, _ in kernels_with_pdl}, "the decode kernels and a prefill chunk's norm + router take PDL"
     harmless = {"arange", "program_id", "num_programs", "zeros", "full", "cdiv", "minimum", "maximum", "where",
                 "sum", "max", "cumsum", "static_range"}
-    helpers = {fn.name: fn for _, fn in jit_functions()}
     checked = 0
     for file, kernel, fn in kernels_with_pdl:
         params = {a.arg for a in fn.args.args}
@@ -110,12 +85,9 @@ def test_every_kernel_that_takes_pdl_waits_before_its_first_load_or_store():
                     formed.update({t.id: names(v) for t, v in pairs if isinstance(t, ast.Name)})
                 for call in (n for n in ast.walk(stmt) if isinstance(n, ast.Call)):
                     name = getattr(call.func, "attr", None) or getattr(call.func, "id", None)
-                    if name == "load" or name in helpers:
-                        # the pointer arguments the address is formed from (upper-case ones are sizes); a
-                        # helper's loads are read through (reads_of)
-                        read = names(call.args[0]) if name == "load" else reads_of(helpers[name], call.args, names,
-                                                                                   helpers)
-                        read &= params
+                    if name == "load":
+                        # the pointer arguments the address is formed from (upper-case ones are sizes)
+                        read = names(call.args[0]) & params
                         assert read and all(n in allowed or n.isupper() for n in read), \
                             f"{where} loads from {sorted(read)} before prior_done(PDL)"
                     else:

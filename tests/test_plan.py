@@ -33,9 +33,6 @@ SHAPES = {  # name -> (routers, weights, batch, tokens per row, chunk start or N
     "fp8 dense decode B8": (False, "fp8", 8, 1, None),  # _scaled_mm, the norms quantize its inputs
     "fp8 dense decode B8, WIDE kernels": (False, "fp8", 8, 1, None),  # Policy.fp8_scaled_mm_min_tokens above it
     "fp8 prefill": (True, "fp8", 2, 24, 0),
-    "decode B1, merge in O": (True, "bf16", 1, 1, None),  # Policy.merge_in_o: attention's partials, O merges
-    "dense decode B1, merge in O": (False, "bf16", 1, 1, None),
-    "fp8 decode B1, merge in O": (True, "fp8", 1, 1, None),
 }
 
 
@@ -60,8 +57,6 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
     if "rule off" in name or "all sparse" in name:  # routed FFN at more than 4 rows (wide.FFNRule)
         m.ffn_rule = FFNRule(max_rows=None)
     pol = ALL_SPARSE if "all sparse" in name else Policy(dense_gemv_max_tokens=0) if "cuBLAS" in name else None
-    if "merge in O" in name:
-        pol = Policy(merge_in_o=True)
     if "WIDE kernels" in name:
         pol = Policy(fp8_scaled_mm_min_tokens=10 ** 9)
     if "threshold" in name:  # at the default 1024 tokens the interpreter takes much longer for the same plan
@@ -87,10 +82,7 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
                 "fp8 decode B1": {"gemv", "gemv_fused", "gemm_k"},
                 "fp8 dense decode B8": {"norm_fp8", "cublas", "decode_every"},
                 "fp8 dense decode B8, WIDE kernels": {"gemv_all", "gemv_fused_all", "gemm_k_all", "decode_every"},
-                "fp8 prefill": {"cublas_every_head", "sdpa_causal_zeroed"},
-                "decode B1, merge in O": {"gemv", "gemm_k_merge", "decode_live_partials"},
-                "dense decode B1, merge in O": {"gemv_all", "gemm_k_all_merge", "decode_every_partials"},
-                "fp8 decode B1, merge in O": {"gemv", "gemm_k_merge", "decode_live_partials"}}[name]
+                "fp8 prefill": {"cublas_every_head", "sdpa_causal_zeroed"}}[name]
     assert expected <= kinds, f"{name}: {kinds}"
     if name == "decode B8":  # the FFN routers are not asked at all: no mask, no masked GEMM
         assert "cublas_masked" not in kinds and plan.layers[0]["ffn_norm"].kind == "norm" and plan.shape.dense_ffn

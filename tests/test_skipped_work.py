@@ -27,8 +27,6 @@ What is pinned (GS = 16 channels per group; "live" = some token of the step, or 
       is never read.
   attention_prefill: q[b, h, t] is read once if token t runs h's group, else never; the K/V of
       (b, KV head) are read up to the last active token of its query heads, and not at all if none is.
-  gemm_k merging decode attention's partials (Policy.merge_in_o): the rows of the live heads' items, and
-      nothing else; a live group's weight columns once, a dead group's never.
   attention_decode: K/V[b, KV head, pos] is read once if some query head of that KV head runs and
       pos < kv_len[b], else never; an inactive query head's q is never read. With config early, whose
       first key block comes before the PDL wait, neither q nor a row's newest key is read before it (the
@@ -362,31 +360,6 @@ def test_decode_attention_never_reads_the_kv_cache_of_a_kv_head_whose_query_head
             f"{name}: each cached position of a running KV head exactly once, nothing else"
     q_read = rec.reads("_attn_decode_kernel", "q").sum(-1)[:, :, 0] > 0
     assert torch.equal(q_read, active), "an inactive query head's q is never read"
-
-
-@pytest.mark.parametrize("G", [4, 2], ids=["2 groups per KV head", "1 group per KV head"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_o_merging_attentions_partials_reads_only_the_live_heads_items_and_the_live_groups_columns(kind, G):
-    # Policy.merge_in_o: attention stores unmerged partials, gemm_k merges a head's as it reads its slice
-    L, kv_len, N = 40, torch.tensor([33]), 64
-    head_mask = step_mask(kind, 1, G, seed=5)
-    q, k, v = randn(1, H, 1, D, seed=1), randn(1, HKV, L, D, seed=2), randn(1, HKV, L, D, seed=3)
-    parts = kernels_attention.attention_decode(q, k, v, head_mask, kv_len, partials=True)
-    w = randn(N, H * D, seed=4)
-    with recorded_loads() as rec:
-        kernels.gemm_k(parts, w, head_mask, H * D // G)
-    first, cnt = kernels_attention.decode_work_ref(parts, H)
-    hpk, heads = H // HKV, head_mask[0].repeat_interleave(H // G)  # [H]: the query heads that run
-    item = torch.arange(parts.plse.numel()) // hpk
-    pair = ((item[:, None] >= first[None, :]) & (item[:, None] < (first + cnt)[None, :])).long().argmax(1)
-    owned = (item < int(cnt.sum())) & heads[pair * hpk + torch.arange(parts.plse.numel()) % hpk]
-    for name, per in (("a", D), ("plse", 1)):  # a: the partials (gemm_k's input)
-        read = rec.reads("_gemm_k_kernel", name).view(-1, per) > 0
-        assert torch.equal(read.any(1), owned) and torch.equal(read.all(1), owned), \
-            f"{name}: every row of a live head's items, and nothing else"
-    w_read = rec.reads("_gemm_k_kernel", "w")
-    assert torch.equal(w_read, heads.repeat_interleave(D)[None, :].expand(N, -1).long()), \
-        "w: a live group's columns once, a dead group's never"
 
 
 @pytest.mark.parametrize("config", [None, EARLY], ids=["", "early"])
