@@ -41,22 +41,6 @@ def attention_prefill_ref(q, k, v, head_mask, causal=True, start=0):
 
 
 @triton.jit
-def _online_softmax(acc, m_i, l_i, s, vt, IEEE: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
-    # Fold one tile's scores s [rows, keys] (exp2 domain, -inf where a key is not seen) and its values into
-    # the running (acc, max, sum). MAY_BE_EMPTY: a row may see no key of this tile while its maximum is
-    # still -inf; the shift then keeps exp2 from -inf - -inf, and the state stays as it was.
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    shift = m_new
-    if MAY_BE_EMPTY:
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - shift[:, None])
-    alpha = tl.exp2(m_i - shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee" if IEEE else "tf32")
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, start, pos, kv_end, qk_scale,
                 BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
     # One online-softmax step over keys [start, start+BN) (exp2 domain). MASKED: causal + bounds.
@@ -71,25 +55,12 @@ def _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, start, pos, kv_end, qk_scal
     s = tl.dot(qt, tl.trans(kt), input_precision="ieee" if IEEE else "tf32") * qk_scale
     if MASKED:
         s = tl.where((kv[None, :] <= pos[:, None]) & (kv < kv_end)[None, :], s, float("-inf"))
-    return _online_softmax(acc, m_i, l_i, s, vt, IEEE, False)
-
-
-@triton.jit
-def _decode_zeros(o, head_mask, b, G, sob, soh, HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr,
-                  H2: tl.constexpr, D: tl.constexpr):
-    # row b's heads whose group does not run get exact zeros (O's cuBLAS GEMM reads them)
-    hh = tl.arange(0, H2)
-    dd = tl.arange(0, D)
-    on = tl.load(head_mask + b * G + hh // HPG, mask=hh < HKV * HPK, other=1)
-    tl.store(o + b * sob + hh[:, None] * soh + dd[None, :], tl.zeros([H2, D], o.dtype.element_ty),
-             mask=(on == 0)[:, None])
-
-
-@triton.jit
-def _attn_tile(acc, m_i, l_i, qt, kt, vt, ok, qk_scale, IEEE: tl.constexpr):
-    # One online-softmax step over a K/V tile already loaded (its keys where ok; maybe none of them)
-    s = tl.dot(qt, tl.trans(kt), input_precision="ieee" if IEEE else "tf32") * qk_scale
-    return _online_softmax(acc, m_i, l_i, tl.where(ok[None, :], s, float("-inf")), vt, IEEE, True)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee" if IEEE else "tf32")
+    return acc, m_new, l_i
 
 
 @triton.jit(do_not_specialize=["T", "MT"])  # chunk lengths: see engine.warm_chunks
@@ -206,8 +177,7 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
                         sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
                         HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, H2: tl.constexpr,
                         BJ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr,
-                        MB: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, EARLY: tl.constexpr,
-                        PDL: tl.constexpr):
+                        D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """Split-KV decode attention (one query token per row) over a work list of live items only.
 
     The work is a list of items (row b, KV head, chunk of that row's cached keys), built in every
@@ -220,43 +190,34 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     The merge is in the same launch: a pair cut into several chunks stores each chunk's normalised partial
     and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (in chunk order,
     so the result does not depend on which finished last) and resets the ticket. At most MC chunks per pair
-    (longer chunks instead), so that merge stays short; it loads MB chunks' partials at a time (each load a
-    round trip to L2 that the merge waits on; more at once cost registers). PDL: see kernels_base.prior_done.
-    EARLY (with PDL): the work list and the item's first block of cached keys are loaded before the wait,
-    so that chain of round trips runs while the previous kernel finishes. Safe because a launch under PDL
-    starts only once the launch before the previous one has finished: the mask (norm_route's, two or more
-    launches back), kv_len (formed at the step's start) and the cached K/V are final by then, except each
-    row's newest key, which the previous launch (the Q, K, V epilogue or the RoPE kernel) writes. So the
-    early block leaves that key out and it is folded in after the wait, as one more online-softmax step.
+    (longer chunks instead), so that merge stays short. PDL: see kernels_base.prior_done.
     Twin: attention_decode_ref.
     """
-    if EARLY == 0:
-        prior_done(PDL)
+    prior_done(PDL)
     pid = tl.program_id(0)
     dd = tl.arange(0, D)
-    # early: what is loaded before the wait bypasses L1 (.cg), so no line an earlier kernel left there is read
-    CACHE: tl.constexpr = ".cg" if EARLY else ""
-    if EARLY == 0:
-        if pid >= NP:
-            _decode_zeros(o, head_mask, pid - NP, G, sob, soh, HKV, HPK, HPG, H2, D)
-            return
+    if pid >= NP:  # row b's heads whose group does not run get exact zeros (O's cuBLAS GEMM reads them)
+        b = pid - NP
+        hh = tl.arange(0, H2)
+        on = tl.load(head_mask + b * G + hh // HPG, mask=hh < HKV * HPK, other=1)
+        tl.store(o + b * sob + hh[:, None] * soh + dd[None, :], tl.zeros([H2, D], o.dtype.element_ty),
+                 mask=(on == 0)[:, None])
+        return
     j = tl.arange(0, BJ)  # pair j: row j // HKV, KV head j % HKV
     jok = j < B * HKV
     live = tl.zeros([BJ], tl.int32)
     for r in tl.static_range(HPK):
-        live = live | tl.load(head_mask + (j // HKV) * G + ((j % HKV) * HPK + r) // HPG, mask=jok, other=0,
-                              cache_modifier=CACHE).to(tl.int32)
+        live = live | tl.load(head_mask + (j // HKV) * G + ((j % HKV) * HPK + r) // HPG, mask=jok, other=0).to(tl.int32)
     # WIDE skip: a KV head none of whose query-head groups runs for row b gets no work item, so its K/V
     # are never read
-    n = tl.where(live > 0, tl.load(kv_len + j // HKV, mask=jok, other=0, cache_modifier=CACHE), 0)
+    n = tl.where(live > 0, tl.load(kv_len + j // HKV, mask=jok, other=0), 0)
     # chunks of whole key blocks, about TARGET items in all, at most MC per pair (the merge reads them in turn)
     ch = tl.maximum(tl.maximum(tl.cdiv(tl.cdiv(tl.sum(n, 0), TARGET), BN), tl.cdiv(tl.cdiv(tl.max(n, 0), MC), BN)),
                     1) * BN
     cnt = tl.cdiv(n, ch)
     cum = tl.cumsum(cnt, 0)
-    if EARLY == 0:
-        if pid >= tl.sum(cnt, 0):
-            return
+    if pid >= tl.sum(cnt, 0):
+        return
     pj = tl.sum((cum <= pid).to(tl.int32), 0)  # the pair this item belongs to
     sel = j == pj
     first = tl.sum(tl.where(sel, cum - cnt, 0), 0)
@@ -265,20 +226,6 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     b, hk = pj // HKV, pj % HKV
     start = (pid - first) * ch
     end = tl.minimum(start + ch, end_all)
-    if EARLY:  # the first block's cached keys but the row's newest (end_all - 1: the previous launch's)
-        has_item = (pid < tl.sum(cnt, 0)) & (pid < NP)
-        kv0 = start + tl.arange(0, BN)
-        early = kv0 < tl.where(has_item, tl.minimum(end, end_all - 1), 0)
-        k0 = tl.load(k + b * skb + hk * skh + kv0[:, None] * skt + dd[None, :], mask=early[:, None], other=0.0,
-                     cache_modifier=".cg")
-        v0 = tl.load(v + b * svb + hk * svh + kv0[:, None] * svt + dd[None, :], mask=early[:, None], other=0.0,
-                     cache_modifier=".cg")
-        prior_done(PDL)
-        if pid >= NP:
-            _decode_zeros(o, head_mask, pid - NP, G, sob, soh, HKV, HPK, HPG, H2, D)
-            return
-        if not has_item:
-            return
     r = tl.arange(0, BH)
     head = hk * HPK + r
     act = (r < HPK) & (tl.load(head_mask + b * G + head // HPG, mask=r < HPK, other=0) > 0)
@@ -288,29 +235,13 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     pos = r * 0 + end  # decode: every cached key up to kv_len is visible
-    rest = start  # the first key the loops below read
     full = start + (end - start) // BN * BN
-    if EARLY:
-        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, qt, k0, v0, early, qk_scale, IEEE)
-        rest = start + BN
-        full = rest + tl.maximum(end - rest, 0) // BN * BN
-    for t0 in range(rest, full, BN):
+    for t0 in range(start, full, BN):
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
                                     BN, D, False, IEEE)
     for t0 in range(full, end, BN):
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
                                     BN, D, True, IEEE)
-    if EARLY:
-        newest = end_all - 1
-        if (newest >= start) & (newest < start + BN) & (newest < end):  # the key the early block left out
-            kn = tl.load(kb + newest * skt + dd).to(tl.float32)
-            vn = tl.load(vb + newest * svt + dd).to(tl.float32)
-            sn = tl.sum(qt.to(tl.float32) * kn[None, :], 1) * qk_scale
-            m_new = tl.maximum(m_i, sn)
-            alpha, pn = tl.exp2(m_i - m_new), tl.exp2(sn - m_new)
-            l_i = l_i * alpha + pn
-            acc = acc * alpha[:, None] + pn[:, None] * vn[None, :]
-            m_i = m_new
     optr = o + b * sob + head[:, None] * soh + dd[None, :]
     if items == 1:  # the pair's keys in one chunk: nothing to merge
         tl.store(optr, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=act[:, None])
@@ -322,34 +253,17 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     if tl.atomic_add(tickets + pj, 1) != items - 1:
         return
     tl.atomic_xchg(tickets + pj, 0)  # the pair's last program: reset the ticket, then merge
-    m = tl.full([BH], float("-inf"), tl.float32)  # the pair's chunks in order, MB partials at a time: a
-    l = tl.zeros([BH], tl.float32)                 # merge over all MC at once would hold them all in
+    m = tl.full([BH], float("-inf"), tl.float32)  # the pair's chunks in order, one partial at a time:
+    l = tl.zeros([BH], tl.float32)                 # a merge over all MC at once would hold them all in
     acc = tl.zeros([BH, D], tl.float32)            # registers for the whole kernel and cost it occupancy
-    if MB == 1:
-        for it in range(first, first + items):
-            crow = it * HPK + r
-            lse = tl.load(plse + crow, mask=r < HPK, other=0.0, cache_modifier=".cg")
-            part = tl.load(po + crow[:, None] * D + dd[None, :], mask=(r < HPK)[:, None], other=0.0,
-                           cache_modifier=".cg")
-            m_new = tl.maximum(m, lse)
-            old, wgt = tl.exp2(m - m_new), tl.exp2(lse - m_new)
-            acc = acc * old[:, None] + wgt[:, None] * part
-            l = l * old + wgt
-            m = m_new
-        tl.store(optr, (acc / l[:, None]).to(o.dtype.element_ty), mask=act[:, None])
-        return
-    cb = tl.arange(0, MB)
-    for it in range(first, first + items, MB):
-        cok = (it + cb < first + items)[:, None] & (r < HPK)[None, :]  # [MB, BH]
-        crow = (it + cb)[:, None] * HPK + r[None, :]
-        lse = tl.load(plse + crow, mask=cok, other=0.0, cache_modifier=".cg")
-        lse = tl.where((it + cb < first + items)[:, None], lse, float("-inf"))  # past the pair's last chunk
-        part = tl.load(po + crow[:, :, None] * D + dd[None, None, :], mask=cok[:, :, None], other=0.0,
-                       cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        old, wgt = tl.exp2(m - m_new), tl.exp2(lse - m_new[None, :])
-        acc = acc * old[:, None] + tl.sum(wgt[:, :, None] * part, 0)
-        l = l * old + tl.sum(wgt, 0)
+    for it in range(first, first + items):
+        crow = it * HPK + r
+        lse = tl.load(plse + crow, mask=r < HPK, other=0.0, cache_modifier=".cg")
+        part = tl.load(po + crow[:, None] * D + dd[None, :], mask=(r < HPK)[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        old, wgt = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+        acc = acc * old[:, None] + wgt[:, None] * part
+        l = l * old + wgt
         m = m_new
     tl.store(optr, (acc / l[:, None]).to(o.dtype.element_ty), mask=act[:, None])
 
@@ -390,7 +304,6 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, ticket
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
         (1.0 / math.sqrt(D)) * 1.4426950408889634, HKV=Hkv, HPK=hpk, HPG=H // G,
         H2=triton.next_power_of_2(H), BJ=max(2, triton.next_power_of_2(B * Hkv)),
-        BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"], MB=cfg.get("merge_block", 1),
-        D=D, EARLY=int(cfg.get("early", False)),
+        BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"], D=D,
         IEEE=q.dtype == torch.float32, **launch_args(cfg), **pdl_args(q.device))
     return o

@@ -120,8 +120,8 @@ def launch_args(cfg):
 # (gdc_launch_dependents), so a kernel that starts early always finds the one before its predecessor
 # finished. Weights, which no kernel writes, may be read before the wait (norm_route does: their latency
 # then hides behind the previous kernel's end), and so may what only kernels before the predecessor wrote
-# (decode attention's config early: the cached keys but the newest); tests/test_pdl.py checks the rule on
-# every kernel's source. CUDA graphs keep the overlap (programmatic edges). WIDE_PDL=0 turns it off.
+# (gemm_k's config PREFETCH: norm_route's live list); tests/test_pdl.py checks the rule on every kernel's
+# source. CUDA graphs keep the overlap (programmatic edges). WIDE_PDL=0 turns it off.
 PDL_MODES = {"0": 0, "exit": 1, "early": 2}
 
 

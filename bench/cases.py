@@ -391,7 +391,7 @@ def command_line(doc, script, results, only, argv=None, having=False):
     if having:
         p.add_argument("--having", type=lambda v: [w for w in v.split(",") if w], default=[],
                        help="only the variants whose config sets one of these names (comma-separated, e.g. "
-                       "PIPE,merge_block); the current config is always timed first")
+                       "PIPE,FMA); the current config is always timed first")
     args = p.parse_args(argv)
     common.prepare(args, script, argv, results)
     return args, argv, smoke_setup() if args.smoke else gpu_setup()

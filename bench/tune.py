@@ -6,7 +6,7 @@ live and 50% skipped) and timed as bench/ops.py times that op (decode-sized ops 
     python -m bench.tune --only fp8   # only the keys whose name contains "fp8"
     python -m bench.tune --only fp8,gemm_k_small   # ... "fp8" or "gemm_k_small"
     python -m bench.tune --only gemv_mn_1 --having PIPE   # ... and of their variants only those with PIPE
-    python -m bench.tune --only gemv_mn_1,gemm_k_small,attn_decode --having PIPE,merge_block,early   # ... any
+    python -m bench.tune --only gemv_mn_1,gemm_k_small --having PIPE,FMA   # ... any of the names
     TRITON_INTERPRET=1 python -m bench.tune --smoke   # each key's first and last variant on the CPU (CI)
 
 The variants are passed to the ops as config= (CONFIGS itself is never rewritten); a key's first row is
@@ -45,14 +45,9 @@ def tune_table(s):
                   pipe(4, 4, 8, 512, 4)]
     pipe_one = [pipe(4, 4, 16, 512, 2), pipe(4, 4, 32, 512, 1), pipe(4, 4, 16, 256, 2), pipe(4, 4, 8, 512, 4),
                 pipe(4, 4, 32, 256, 2)]
-    # decode attention; merge_block: the merge loads that many chunks' partials at a time
+    # decode attention: block sizes, warps, programs per SM and the most chunks per pair; 64-key blocks at 4 warps
     attn = [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16), v(8, 3, BN=128, programs_per_sm=2),
-            v(4, 3, BN=128, programs_per_sm=4),
-            *[v(w, 2, BN=bn, programs_per_sm=4, max_chunks=16, merge_block=mb)
-              for w, bn, mb in ((8, 128, 4), (8, 128, 8), (4, 64, 8), (4, 64, 16), (8, 64, 8))],
-            # early: the work list and the first key block loaded before the PDL wait
-            *[v(w, 2, BN=bn, programs_per_sm=4, max_chunks=16, merge_block=mb, early=True)
-              for w, bn, mb in ((8, 128, 1), (8, 128, 8), (4, 64, 8), (8, 64, 16))]]
+            v(4, 3, BN=128, programs_per_sm=4), v(4, 2, BN=64, programs_per_sm=4, max_chunks=16)]
     # PREFETCH: the current config with the first live slice's weights loaded before the PDL wait
     pre = lambda key: dict(kernels_base.CONFIGS[key], PREFETCH=True)
     return {

@@ -152,7 +152,7 @@ def test_tune_times_each_config_passed_to_the_op(tmp_path):
         variants = r["variants"]
         assert len(variants) >= 2 and all("failed" not in v and v["ms"] > 0 and v["rel_err"] <= 1e-2 for v in variants)
         assert variants[0]["config"] == r["current"]  # today's CONFIGS entry first
-    assert data["results"]["attn_decode"]["variants"][-1]["config"].get("merge_block")
+    assert data["results"]["attn_decode"]["variants"][-1]["config"]["BN"] == 64
     assert "| attn_decode |" in md and data["meta"]["command"].startswith("python -m bench.tune")
 
 
@@ -185,12 +185,12 @@ def test_tune_sweeps_the_fp8_keys_on_fp8_weights_with_an_fma_variant(tmp_path):
 
 
 def test_tune_having_keeps_the_current_config_and_only_the_variants_that_set_the_name(tmp_path):
-    data, _ = smoke(tmp_path, "bench.tune", "--only", "gemv_mn_1_fp8,attn_decode", "--having", "DOT,merge_block")
+    data, _ = smoke(tmp_path, "bench.tune", "--only", "gemv_mn_1_fp8,gemm_k_small_fp8", "--having", "DOT,FMA")
     r = data["results"]["gemv_mn_1_fp8"]
     first, last = r["variants"]  # --smoke: the first and the last of the kept ones (DOT's are not the sweep's last)
     assert first["config"] == r["current"] and "DOT" not in r["current"]
     assert last["config"].get("DOT") and "failed" not in last and last["rel_err"] <= 1e-2
-    assert data["results"]["attn_decode"]["variants"][-1]["config"].get("merge_block")  # either name kept
+    assert data["results"]["gemm_k_small_fp8"]["variants"][-1]["config"].get("FMA")  # either name kept
 
 
 def test_e2e_rows_carry_dense_bandwidth_and_the_byte_limit(e2e_run):

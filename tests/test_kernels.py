@@ -335,35 +335,22 @@ def test_attention_decode_skips_inactive_kv_heads(p_on):
 # The work list cuts each live (row, KV head)'s keys into chunks sized for about programs_per_sm x SMs
 # items: 64 per SM gives chunks of one key block (many partials, merged by the pair's last program), 1 per
 # SM long chunks (most pairs in one item, written directly); 16 rows of varied lengths in between.
-# merge_block: the merging program loads that many chunks' partials at a time (4: a pair's chunk count is often
-# no multiple of it, so its last block is part empty).
 @pytest.mark.parametrize("per_sm", [64, 4, 1])
 @pytest.mark.parametrize("p_on", [0.25, 1.0])
-@pytest.mark.parametrize("merge_block", [1, 4])
-def test_attention_decode_work_list_over_rows_of_any_length(per_sm, p_on, merge_block):
+def test_attention_decode_work_list_over_rows_of_any_length(per_sm, p_on):
     lengths = [1, 16, 17, 70, 33, 2, 64, 5, 48, 70, 9, 31, 32, 15, 66, 40]
     run_decode(16, 4, 2, 70, 16, 2, p_on, lengths, torch.Generator().manual_seed(per_sm),
-               config=dict(programs_per_sm=per_sm, merge_block=merge_block))
+               config=dict(programs_per_sm=per_sm))
 
 
-@pytest.mark.parametrize("p_on", [0.25, 1.0])
-def test_attention_decode_early_over_rows_of_any_length(p_on):
-    # config early: each item's first key block before the PDL wait, the row's newest key after it; lengths
-    # that put that key first, last and alone in a block (block 16 on the CPU)
-    lengths = [1, 16, 17, 70, 33, 2, 64, 5, 48, 70, 9, 31, 32, 15, 66, 40]
-    for per_sm in (64, 4):
-        run_decode(16, 4, 2, 70, 16, 2, p_on, lengths, torch.Generator().manual_seed(per_sm),
-                   config=dict(programs_per_sm=per_sm, early=True))
-
-
-def early_after_rope(device, B, H, Hkv, D, L, steps, dtype):
-    """attention_decode with config early right after rope_and_store, the launch that writes q and each row's
-    newest key (as in a decode step); that key is poisoned before every step, so reading it before the write
-    would reach the output. Returns the worst error against the twin over the steps."""
+def after_rope(device, B, H, Hkv, D, L, steps, dtype):
+    """attention_decode right after rope_and_store, the launch that writes q and each row's newest key (as in
+    a decode step); that key is poisoned before every step, so reading it before the write (under PDL, where
+    the two launches overlap) would reach the output. Returns the worst error against the twin over the steps."""
     gen = torch.Generator().manual_seed(B)
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
     kc, vc = rnd(B, Hkv, L, D), rnd(B, Hkv, L, D)
-    cfg = dict(kernels_base.CONFIGS["attn_decode"], early=True)
+    cfg = kernels_base.CONFIGS["attn_decode"]
     worst = 0.0
     for i in range(steps):
         kv_len = torch.randint(1, L + 1, (B,), generator=gen)
@@ -376,15 +363,15 @@ def early_after_rope(device, B, H, Hkv, D, L, steps, dtype):
         mask = (torch.rand(B, Hkv, generator=gen) < 0.5).to(device)
         mask[:, 0] = True
         q = kernels_step.rope_and_store(rnd(B, H * D), rnd(B, Hkv * D), rnd(B, Hkv * D), step, kc, vc, H, Hkv, D)
-        out = kernels_attention.attention_decode(q.view(B, H, 1, D), kc, vc, mask, kv_len, config=cfg)
+        out = kernels_attention.attention_decode(q.view(B, H, 1, D), kc, vc, mask, kv_len)
         ref = kernels_attention.attention_decode_ref(q.view(B, H, 1, D).float(), kc.float(), vc.float(), mask, kv_len)
         assert torch.isfinite(out).all(), f"step {i}: a poisoned newest key was read before it was written"
         worst = max(worst, rel_err(out, ref))
     return worst
 
 
-def test_attention_decode_early_after_the_launch_that_writes_the_newest_key():
-    assert early_after_rope(DEV, 2, 4, 2, 16, 40, 4, torch.float32) <= 1e-4
+def test_attention_decode_after_the_launch_that_writes_the_newest_key():
+    assert after_rope(DEV, 2, 4, 2, 16, 40, 4, torch.float32) <= 1e-4
 
 
 def test_attention_decode_group_smaller_than_kv_head():
@@ -512,9 +499,9 @@ def test_gpu_one_token_gemm_k_with_fma_rows(fp8, K):
 
 @GPU
 @pytest.mark.parametrize("B", [1, 4])
-def test_gpu_attention_decode_early_after_the_launch_that_writes_the_newest_key(B):
-    # under PDL, where the two launches overlap: the early block must leave out the key rope_and_store writes
-    assert early_after_rope("cuda", B, 32, 8, 128, 1024, 50, torch.bfloat16) <= 1e-2
+def test_gpu_attention_decode_after_the_launch_that_writes_the_newest_key(B):
+    # under PDL, where the two launches overlap: no key rope_and_store writes is read before the wait
+    assert after_rope("cuda", B, 32, 8, 128, 1024, 50, torch.bfloat16) <= 1e-2
 
 
 @GPU

@@ -22,15 +22,12 @@ def pdl_kernels():
 
 
 # What a kernel may read before its wait: weights, which no kernel of a step writes (the router's, the norm's),
-# and gemm_k's live list, which norm_route wrote two or more launches before (see _gemm_k_kernel: PREFETCH);
-# decode attention's mask, kv_len and cached keys (with their strides), all final by then but each row's
-# newest key, which test_skipped_work checks is only read after the wait (see _attn_decode_kernel: EARLY).
-READ_BEFORE_WAIT = {"_norm_route_kernel": {"wd", "bd", "wu", "bu", "nw"}, "_gemm_k_kernel": {"w", "swn", "live"},
-                    "_attn_decode_kernel": {"head_mask", "kv_len", "k", "v", "skb", "skh", "skt", "svb", "svh", "svt"}}
+# and gemm_k's live list, which norm_route wrote two or more launches before (see _gemm_k_kernel: PREFETCH).
+READ_BEFORE_WAIT = {"_norm_route_kernel": {"wd", "bd", "wu", "bu", "nw"}, "_gemm_k_kernel": {"w", "swn", "live"}}
 
 
 def specializations(fn):
-    """fn's body once per setting of the constexpr flags its top-level `if`s test (`if EARLY:`, `if EARLY == 0:`),
+    """fn's body once per setting of the constexpr flags its top-level `if`s test (`if PREFETCH:`, `if PIPE == 0:`),
     each such `if` replaced by the branch Triton compiles for that setting: [(setting, statements)]."""
     import ast
     import itertools
@@ -93,4 +90,4 @@ def test_every_kernel_that_takes_pdl_waits_before_its_first_load_or_store():
                     else:
                         assert name in harmless or name in ("to",), f"{where} calls {name} before prior_done(PDL)"
             checked += 1
-    assert checked > len(kernels_with_pdl), "decode attention's EARLY gives it two binaries to check"
+    assert checked > len(kernels_with_pdl), "gemm_k's PREFETCH gives it two binaries to check"

@@ -28,9 +28,8 @@ What is pinned (GS = 16 channels per group; "live" = some token of the step, or 
   attention_prefill: q[b, h, t] is read once if token t runs h's group, else never; the K/V of
       (b, KV head) are read up to the last active token of its query heads, and not at all if none is.
   attention_decode: K/V[b, KV head, pos] is read once if some query head of that KV head runs and
-      pos < kv_len[b], else never; an inactive query head's q is never read. With config early, whose
-      first key block comes before the PDL wait, neither q nor a row's newest key is read before it (the
-      wait replaced by a marker that splits each program's loads).
+      pos < kv_len[b], else never; an inactive query head's q is never read; nothing is read before its PDL
+      wait (the wait replaced by a marker that splits each program's loads).
   quantize_rows (an fp8 input for _scaled_mm, SwiGLU and the mask fused) and swiglu_rows (the same in the
       model dtype): a pruned channel's gate and up are never read.
   norm_route on a prefill chunk (nothing to skip, but D split over programs must not re-read): x and the
@@ -339,18 +338,14 @@ def test_prefill_attention_reads_q_of_active_heads_once_and_kv_only_up_to_their_
         assert torch.equal(read, needed), f"{name}: rows read != rows up to the last active token"
 
 
-EARLY = dict(BN=16, programs_per_sm=4, max_chunks=4, early=True)  # attention_decode's first block before its wait
-
-
-@pytest.mark.parametrize("config", [None, EARLY], ids=["", "early"])
 @pytest.mark.parametrize("G", [4, 2], ids=["2 groups per KV head", "1 group per KV head"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_decode_attention_never_reads_the_kv_cache_of_a_kv_head_whose_query_heads_are_all_off(kind, G, config):
+def test_decode_attention_never_reads_the_kv_cache_of_a_kv_head_whose_query_heads_are_all_off(kind, G):
     L, kv_len = 40, torch.tensor([40, 17, 5])
     head_mask = step_mask(kind, B, G, seed=3)
     q, k, v = randn(B, H, 1, D, seed=1), randn(B, HKV, L, D, seed=2), randn(B, HKV, L, D, seed=3)
     with recorded_loads() as rec:
-        kernels_attention.attention_decode(q, k, v, head_mask, kv_len, config=config)
+        kernels_attention.attention_decode(q, k, v, head_mask, kv_len)
     active = head_mask.repeat_interleave(H // G, 1)  # [B, H]
     kv_on = active.view(B, HKV, H // HKV).any(2)  # [B, Hkv]: some query head of the KV head runs
     cached = torch.arange(L)[None, :] < kv_len[:, None]  # [B, L]
@@ -362,15 +357,14 @@ def test_decode_attention_never_reads_the_kv_cache_of_a_kv_head_whose_query_head
     assert torch.equal(q_read, active), "an inactive query head's q is never read"
 
 
-@pytest.mark.parametrize("config", [None, EARLY], ids=["", "early"])
-def test_decode_attention_reads_only_final_bytes_before_its_pdl_wait(monkeypatch, config):
+def test_decode_attention_reads_only_final_bytes_before_its_pdl_wait(monkeypatch):
     # Under PDL the previous launch may still run until the wait: it writes q and each row's newest key,
-    # so before the wait only older cached keys (and the mask, kv_len) may be read. The wait is replaced by
+    # so before the wait none of them may be read. The wait is replaced by
     # a marker and each program's loads are split at it (the interpreter runs one program at a time).
     L, kv_len = 40, torch.tensor([40, 17, 5])
     head_mask = step_mask("random", B, 4, seed=3)
     q, k, v = randn(B, H, 1, D, seed=1), randn(B, HKV, L, D, seed=2), randn(B, HKV, L, D, seed=3)
-    waited, early = [False], []
+    waited, before = [False], []
     monkeypatch.setattr(kernels_attention, "prior_done", lambda PDL: waited.__setitem__(0, True))
     builder = interpreter.interpreter_builder
     set_idx, load = builder.set_grid_idx, builder.create_masked_load
@@ -381,14 +375,14 @@ def test_decode_attention_reads_only_final_bytes_before_its_pdl_wait(monkeypatch
 
     def load_marked(ptrs, mask, *rest):
         if not waited[0]:
-            early.append(ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)].astype(np.uint64))
+            before.append(ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)].astype(np.uint64))
         return load(ptrs, mask, *rest)
 
     monkeypatch.setattr(builder, "set_grid_idx", program_start)
     monkeypatch.setattr(builder, "create_masked_load", load_marked)
-    out = kernels_attention.attention_decode(q, k, v, head_mask, kv_len, config=config)
+    out = kernels_attention.attention_decode(q, k, v, head_mask, kv_len)
     torch.testing.assert_close(out, kernels_attention.attention_decode_ref(q, k, v, head_mask, kv_len))
-    addr = np.concatenate(early) if early else np.zeros(0, np.uint64)
+    addr = np.concatenate(before) if before else np.zeros(0, np.uint64)
 
     def rows_read(t):  # [B, HKV, L]: some element of this cached key was read before the wait
         lo, size = t.data_ptr(), t.element_size()
@@ -398,12 +392,9 @@ def test_decode_attention_reads_only_final_bytes_before_its_pdl_wait(monkeypatch
         return torch.from_numpy(read).view(t.shape).any(-1)
 
     assert not ((addr >= q.data_ptr()) & (addr < q.data_ptr() + q.numel() * 4)).any(), "q read before the wait"
-    newest = torch.arange(L)[None, :] == kv_len[:, None] - 1  # [B, L]
-    for t in (k, v):
-        read = rows_read(t)
-        assert not (read & newest[:, None, :]).any(), "a row's newest key read before the wait"
-        # early: the first key block of every item (most of the cache here) comes before the wait; else none
-        assert read.any() == (config is not None)
+    for t in (k, v):  # (each row's newest key among them: the previous launch writes it)
+        assert not rows_read(t).any(), "a cached key read before the wait"
+    assert len(addr) == 0, "nothing at all is read before the wait"
 
 
 @pytest.mark.parametrize("kind", KINDS)
