@@ -29,7 +29,7 @@ CONFIGS = {
     "gemv_mn": dict(BN=16, BK=256, num_warps=4, num_stages=1, programs_per_sm=2),
     # fp8 codes are half the bytes per element: longer K slices per step than the bf16 keys'. gate+up: config
     # PIPE (lane sums, 4 tiles in flight), picked on an H100 (results/kernels_h100_tune_pipe.md; the step with and
-    # without it: e2e_h100.md against e2e_h100_abase.md), not yet timed on an H200.
+    # without it: e2e_h100_apick.md against e2e_h100_abase.md), not yet timed on an H200.
     "gemv_mn_1_fused_fp8": dict(BN=16, BK=512, programs_per_sm=2, PIPE=4, num_warps=4, num_stages=4),
     "gemv_mn_1_fp8": dict(BN=8, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4),
     "gemm_k": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),

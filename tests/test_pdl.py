@@ -27,7 +27,7 @@ READ_BEFORE_WAIT = {"_norm_route_kernel": {"wd", "bd", "wu", "bu", "nw"}, "_gemm
 
 
 def specializations(fn):
-    """fn's body once per setting of the constexpr flags its top-level `if`s test (`if PREFETCH:`, `if PIPE == 0:`),
+    """fn's body once per setting of the constexpr flags its top-level `if`s test (`if PREFETCH:`, `if FLAG == 0:`),
     each such `if` replaced by the branch Triton compiles for that setting: [(setting, statements)]."""
     import ast
     import itertools
