@@ -216,10 +216,9 @@ def set_profile(m, routers, attn, ffn, tokens):
 def fill_cache(m, context):
     # As if a prompt of `context` tokens had been prefilled; the same values for every engine timed (a seeded
     # generator), so that their routers see the same states.
-    gen = None
+    gen = torch.Generator(m.layers[0].self_attn.kv_cache.k_cache.device).manual_seed(context)
     for layer in m.layers:
         c = layer.self_attn.kv_cache
-        gen = gen or torch.Generator(c.k_cache.device).manual_seed(context)
         c.k_cache[:, :, :context].normal_(generator=gen)
         c.v_cache[:, :, :context].normal_(generator=gen)
 
