@@ -46,8 +46,12 @@ def tune_table(s):
     pipe_one = [pipe(4, 4, 16, 512, 2), pipe(4, 4, 32, 512, 1), pipe(4, 4, 16, 256, 2), pipe(4, 4, 8, 512, 4),
                 pipe(4, 4, 32, 256, 2)]
     # decode attention: block sizes, warps, programs per SM and the most chunks per pair; 64-key blocks at 4 warps
+    # (programs_per_sm only moves steps with more keys than programs_per_sm x SMs x BN: batch 1 sits at BN-key
+    # chunks or max_chunks per pair, while a big batch's live pairs get chunks of about all keys / that many items)
     attn = [v(8, 2, BN=128, programs_per_sm=8), v(8, 2, BN=128, max_chunks=16), v(8, 3, BN=128, programs_per_sm=2),
-            v(4, 3, BN=128, programs_per_sm=4), v(4, 2, BN=64, programs_per_sm=4, max_chunks=16)]
+            v(4, 3, BN=128, programs_per_sm=4), v(4, 2, BN=64, programs_per_sm=4, max_chunks=16),
+            v(8, 2, BN=128, programs_per_sm=1), v(8, 2, BN=128, programs_per_sm=2), v(4, 2, BN=128, programs_per_sm=1),
+            v(4, 2, BN=128, programs_per_sm=2), v(4, 3, BN=64, programs_per_sm=1), v(4, 3, BN=64, programs_per_sm=2)]
     # PREFETCH: the current config with the first live slice's weights loaded before the PDL wait
     pre = lambda key: dict(kernels_base.CONFIGS[key], PREFETCH=True)
     return {
@@ -111,17 +115,21 @@ def tune_table(s):
         "attn_decode": (lambda: case_decode_attention(s), attn),
         # batch 1, a 1k cache: a few items per live KV head, so latency (the merge's round trips), not bytes
         "attn_decode 1x1024": (lambda: case_decode_attention(s, 1, 64 if s.smoke else 1024), attn),
+        # serving's saturated decode: batch 32, 8k, at the 75/25 profile's share of heads (a third item: the share
+        # of groups skipped where it is not 50%)
+        "attn_decode 32x8192 75%": (lambda: case_decode_attention(s, 2 if s.smoke else 32, 64 if s.smoke else 8192),
+                                    attn, 0.75),
     }
 
 
 def run_tune(s, args, argv):
     """Every variant checked (all groups on and 50% skipped) and timed as the kernel table times it."""
     results = {}
-    for key, (factory, variants) in tune_table(s).items():
+    for key, (factory, variants, *skip) in tune_table(s).items():
         if args.only and not any(w in key for w in args.only):
             continue
         case = factory()
-        half, full = rand_mask(s, case.mask_shape, 0.5), rand_mask(s, case.mask_shape, 0.0)
+        half, full = rand_mask(s, case.mask_shape, skip[0] if skip else 0.5), rand_mask(s, case.mask_shape, 0.0)
         # Decode-sized ops, and a prefill chunk's norm + router (microseconds, launched from the chunk's CUDA
         # graph as served), on graph replay: 16 calls in one graph for an op on one copy of its data
         graphed = case.decode or key.startswith("norm_route")
@@ -157,7 +165,8 @@ def run_tune(s, args, argv):
         del case
     m = meta(s.smoke, "-m bench.tune", argv, l2_MB=s.l2_bytes / 2 ** 20)
     lines = [f"# Block-size sweep on {m['gpu']}", "", f"torch {m['torch']}, triton {m['triton']}, {m['date']}, "
-             f"`{m['command']}`. 50% of groups skipped; decode-sized ops timed on CUDA-graph replay.", "",
+             f"`{m['command']}`. 50% of groups skipped (or the share a key names); decode-sized ops timed on "
+             "CUDA-graph replay.", "",
              "| CONFIGS key | op | tokens | config | us | speedup | all groups on, us |", "|---|---|---|---|---|---|---|"]
     for key, r in results.items():
         base = ", ".join(f"{name} {ms * 1e3:.1f} us" for name, ms in {r["baseline"]: r["dense_ms"], **r["others_ms"]}.items())
