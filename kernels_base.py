@@ -93,6 +93,20 @@ def config_for(key, override):
     return {**CONFIGS[key], **(override or {})}
 
 
+@contextlib.contextmanager
+def configs_tried(overrides):
+    """Inside the block, CONFIGS[key] has overrides[key]'s sizes on top (every launch that takes no config=,
+    so a whole engine and its CUDA graphs: bench.tune --in-step judges a variant in the decode step this way);
+    the entries are restored after."""
+    saved = {key: CONFIGS[key] for key in overrides}
+    try:
+        for key, sizes in overrides.items():
+            CONFIGS[key] = {**saved[key], **sizes}
+        yield
+    finally:
+        CONFIGS.update(saved)
+
+
 def num_sms(device):
     if INTERPRET or device.type != "cuda":
         return 2

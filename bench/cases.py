@@ -381,9 +381,9 @@ def check(case, mask, config=None):
     return dict(rel_err=err, pruned_zero=zeros, nan_free=nan_free)
 
 
-def command_line(doc, script, results, only, argv=None, having=False):
-    """The command line of bench/ops.py and bench/tune.py (--only, --out, --smoke; --having: tune's), checked,
-    then the device check: (args, argv, the Setup to run)."""
+def command_line(doc, script, results, only, argv=None, having=False, in_step=False):
+    """The command line of bench/ops.py and bench/tune.py (--only, --out, --smoke; --having, --in-step: tune's),
+    checked, then the device check: (args, argv, the Setup to run)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     p = common.parser(doc, script, results)
     p.add_argument("--only", type=lambda v: [w for w in v.split(",") if w], default=[],
@@ -392,6 +392,10 @@ def command_line(doc, script, results, only, argv=None, having=False):
         p.add_argument("--having", type=lambda v: [w for w in v.split(",") if w], default=[],
                        help="only the variants whose config sets one of these names (comma-separated, e.g. "
                        "PIPE,FMA); the current config is always timed first")
+    if in_step:
+        p.add_argument("--in-step", action="store_true",
+                       help="judge each decode key's variants in the whole decode step (bench.e2e's model, WIDE "
+                       "and dense) instead of as one op")
     args = p.parse_args(argv)
     common.prepare(args, script, argv, results)
     return args, argv, smoke_setup() if args.smoke else gpu_setup()

@@ -7,6 +7,7 @@ live and 50% skipped) and timed as bench/ops.py times that op (decode-sized ops 
     python -m bench.tune --only fp8,gemm_k_small   # ... "fp8" or "gemm_k_small"
     python -m bench.tune --only gemv_mn_1 --having PIPE   # ... and of their variants only those with PIPE
     python -m bench.tune --only gemv_mn_1,gemm_k_small --having PIPE,FMA   # ... any of the names
+    python -m bench.tune --only gemm_k_small --in-step --out results/kernels_h100_tune_step   # judged in the step
     TRITON_INTERPRET=1 python -m bench.tune --smoke   # each key's first and last variant on the CPU (CI)
 
 The variants are passed to the ops as config= (CONFIGS itself is never rewritten); a key's first row is
@@ -129,7 +130,8 @@ def run_tune(s, args, argv):
         if args.only and not any(w in key for w in args.only):
             continue
         case = factory()
-        half, full = rand_mask(s, case.mask_shape, skip[0] if skip else 0.5), rand_mask(s, case.mask_shape, 0.0)
+        share = skip[0] if skip else 0.5
+        half, full = rand_mask(s, case.mask_shape, share), rand_mask(s, case.mask_shape, 0.0)
         # Decode-sized ops, and a prefill chunk's norm + router (microseconds, launched from the chunk's CUDA
         # graph as served), on graph replay: 16 calls in one graph for an op on one copy of its data
         graphed = case.decode or key.startswith("norm_route")
@@ -146,7 +148,7 @@ def run_tune(s, args, argv):
         others = {name: graph_ms(s.smoke, fns * repeat) if graphed else bench_ms(s.smoke, fns[0])
                   for name, fns in case.dense.items() if name != case.baseline[0]}
         results[key] = dict(op=case.op, tokens=case.tokens, timing="cuda_graph" if graphed else "do_bench",
-                            dense_ms=dense_ms, baseline=case.baseline[0], others_ms=others,
+                            dense_ms=dense_ms, baseline=case.baseline[0], others_ms=others, skipped=share,
                             current=kernels_base.CONFIGS[key.split()[0]], variants=[])
         current = kernels_base.CONFIGS[key.split()[0]]
         todo = [dict(current)] + [v for v in variants if v != current and
@@ -180,9 +182,88 @@ def run_tune(s, args, argv):
     return results
 
 
+# The keys a decode step launches with their own sizes, so --in-step can judge them there; a key naming a batch and
+# context ("attn_decode 32x8192 75%") is judged in that step, the others in batch 1's at a 1k context.
+STEP_KEYS = ("gemv_mn_1", "gemm_k_small", "attn_decode")
+
+
+def run_in_step(s, args, argv):
+    """Every variant judged in the decode step rather than as one op (the op harness ranked designs unlike the
+    step more than once: results/README.md): the 8B-shaped model of bench.e2e (routers calibrated to skip half),
+    WIDE's step and dense's (routers off, the same kernels with every group live) timed with the variant in
+    CONFIGS (kernels_base.configs_tried), between two runs of the current CONFIGS, which the variant's ratio is
+    against. fp8 keys time fp8 weights."""
+    from bench.common import calibrate_routers, random_model, with_engine
+    from bench.e2e import E2ESetup, smoke_run, time_decode
+    from policy import Policy
+    run = smoke_run() if s.smoke else E2ESetup()
+    table = {key: spec for key, spec in tune_table(s).items() if key.startswith(STEP_KEYS)
+             and (not args.only or any(w in key for w in args.only))}
+
+    def shape(key):  # [batch, context] of the step that judges a key (its routers' masks: about half skipped)
+        words = key.split()
+        batch, context = map(int, words[1].split("x")) if len(words) > 1 else (1, 1024)
+        return [min(batch, 2), 24] if s.smoke else [batch, context]
+    m, _ = random_model(run, max_seq_len=max(c for _, c in map(shape, table)) + run.steps + run.warmup + 64)
+    calibrate_routers(m, 0.5, run.calibrate_tokens)
+
+    def step(key, sizes, routers):
+        batch, context = shape(key)
+        with kernels_base.configs_tried({key.split()[0]: sizes}):
+            return with_engine(m, routers, Policy(), lambda e: time_decode(run, e, batch, context, run.steps)[0],
+                               "fp8" if "fp8" in key else "bf16")
+
+    results = {}
+    for key, (_, variants, *_) in table.items():
+        current = kernels_base.CONFIGS[key.split()[0]]
+        todo = [v for v in variants if v != current and (not args.having or any(name in v for name in args.having))]
+        base = [step(key, {}, True)]
+        dense_base = step(key, {}, False)
+        results[key] = dict(current=current, step=shape(key), weights="fp8" if "fp8" in key else "bf16",
+                            wide_ms=base[0], dense_ms=dense_base, variants=[])
+        print(f"{key} (step {shape(key)}): WIDE {base[0]:.4f} ms, dense {dense_base:.4f} ms, current {current}",
+              flush=True)
+        for v in todo[:1] if s.smoke else todo:
+            try:
+                wide, dense = step(key, v, True), step(key, v, False)
+            except Exception as e:  # e.g. out of shared memory: the next variant may fit
+                results[key]["variants"].append(dict(config=v, failed=f"{type(e).__name__}: {str(e)[:200]}"))
+                continue
+            base.append(step(key, {}, True))
+            ref = (base[-2] + base[-1]) / 2
+            results[key]["variants"].append(dict(config=v, wide_ms=wide, dense_ms=dense, wide_base_ms=ref,
+                                                 ratio=wide / ref))
+            print(f"  {v}: WIDE {wide:.4f} ms ({wide / ref:.3f} of the current's {ref:.4f}), dense {dense:.4f}",
+                  flush=True)
+        write_in_step(s, args, argv, results)  # after every key: a long sweep cut short keeps what it measured
+    return results
+
+
+def write_in_step(s, args, argv, results):
+    m_ = meta(s.smoke, "-m bench.tune", argv)
+    lines = [f"# Block sizes judged in the decode step on {m_['gpu']}", "",
+             f"torch {m_['torch']}, triton {m_['triton']}, {m_['date']}, `{m_['command']}`. bench.e2e's model "
+             "(Llama-3.1-8B shape, random weights, routers calibrated to skip half); ms per CUDA-graph decode step "
+             "with the variant in CONFIGS; 'of current' = against the mean of the current CONFIGS' steps just "
+             "before and after it (their drift over the run is the noise floor).", "",
+             "| CONFIGS key | step (batch x context) | weights | config | WIDE ms | of current | dense ms |",
+             "|---|---|---|---|---|---|---|"]
+    for key, r in results.items():
+        b, c = r["step"]
+        lines.append(f"| {key} | {b}x{c} | {r['weights']} | current `{r['current']}` | {r['wide_ms']:.4f} | | "
+                     f"{r['dense_ms']:.4f} |")
+        for v in r["variants"]:
+            cells = ("failed", "", "") if "failed" in v else (f"{v['wide_ms']:.4f}", f"{v['ratio']:.3f}",
+                                                               f"{v['dense_ms']:.4f}")
+            lines.append(f"| {key} | {b}x{c} | {r['weights']} | `{v['config']}` | " + " | ".join(cells) + " |")
+    save(args.out, dict(meta=m_, results=results), "\n".join(lines) + "\n")
+    print(f"written: {args.out}.json, {args.out}.md", flush=True)
+
+
 def main(argv=None):
-    args, argv, s = command_line(__doc__, "-m bench.tune", "kernels_h200_tune", "CONFIGS keys", argv, having=True)
-    return run_tune(s, args, argv)
+    args, argv, s = command_line(__doc__, "-m bench.tune", "kernels_h200_tune", "CONFIGS keys", argv, having=True,
+                                 in_step=True)
+    return run_in_step(s, args, argv) if args.in_step else run_tune(s, args, argv)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ correctness check, row builder and results writer) on tiny fp32 shapes in the Tr
 the JSON it writes has the fields that results/ promises. The timings of a smoke run mean nothing;
 speed is measured on the GPU with `python -m bench.ops` and `python -m bench.e2e`, never here.
 Bad flags end in one line before the device check (in-process: they stop before any work)."""
+import copy
 import importlib
 import json
 import os
@@ -147,7 +148,7 @@ def test_kernel_markdown_has_the_table_and_every_target(kernel_run):
 
 def test_tune_times_each_config_passed_to_the_op(tmp_path):
     data, md = smoke(tmp_path, "bench.tune", "--only", "attn_decode")
-    assert list(data["results"]) == ["attn_decode", "attn_decode 1x1024"]  # batch 16 and batch 1
+    assert list(data["results"]) == ["attn_decode", "attn_decode 1x1024", "attn_decode 32x8192 75%"]  # batch 16, 1, 32
     for r in data["results"].values():
         variants = r["variants"]
         assert len(variants) >= 2 and all("failed" not in v and v["ms"] > 0 and v["rel_err"] <= 1e-2 for v in variants)
@@ -156,10 +157,47 @@ def test_tune_times_each_config_passed_to_the_op(tmp_path):
     assert "| attn_decode |" in md and data["meta"]["command"].startswith("python -m bench.tune")
 
 
+def test_tune_times_serving_batch_attention_at_three_quarters_skipped(tmp_path):
+    data, md = smoke(tmp_path, "bench.tune", "--only", "32x8192")
+    (r,) = data["results"].values()
+    assert list(data["results"]) == ["attn_decode 32x8192 75%"] and r["skipped"] == 0.75
+    assert all("failed" not in v and v["rel_err"] <= 1e-2 for v in r["variants"])
+
+
+def test_tune_in_step_times_each_variant_between_two_runs_of_the_current_configs(tmp_path):
+    data, md = smoke(tmp_path, "bench.tune", "--only", "gemm_k_small_fp8", "--in-step")
+    (r,) = data["results"].values()
+    assert r["weights"] == "fp8" and r["step"] == [1, 24] and r["wide_ms"] > 0 and r["dense_ms"] > 0
+    (v,) = r["variants"]  # --smoke: the first variant
+    assert "failed" not in v and v["config"] != r["current"] and v["wide_ms"] > 0 and v["dense_ms"] > 0
+    assert v["ratio"] == pytest.approx(v["wide_ms"] / v["wide_base_ms"])
+    assert "| gemm_k_small_fp8 | 1x24 | fp8 |" in md
+
+
+def test_configs_tried_reaches_every_launch_inside_the_block_and_restores_after():
+    import kernels_attention
+    q = torch.randn(1, 4, 1, 16)
+    k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    mask, kv_len = torch.ones(1, 2, dtype=torch.bool), torch.tensor([8], dtype=torch.int32)
+    before = copy.deepcopy(kernels_base.CONFIGS)
+    with kernels_base.configs_tried({"attn_decode": dict(BN=3)}):
+        assert kernels_base.config_for("attn_decode", None) == {**before["attn_decode"], "BN": 3}
+        with pytest.raises(Exception, match="power of 2"):  # 3 keys a block is no Triton tile: the launch saw it
+            kernels_attention.attention_decode(q, k, v, mask, kv_len)
+    assert kernels_base.CONFIGS == before
+    with pytest.raises(ValueError):
+        with kernels_base.configs_tried({"attn_decode": dict(BN=3)}):
+            raise ValueError("restored on the way out too")
+    assert kernels_base.CONFIGS == before
+    out = kernels_attention.attention_decode(q, k, v, mask, kv_len)
+    ref = kernels_attention.attention_decode_ref(q, k, v, mask, kv_len)
+    assert torch.allclose(out, ref, atol=1e-4)
+
+
 def test_tune_takes_several_names_and_checks_the_prefetch_variant(tmp_path):
     data, _ = smoke(tmp_path, "bench.tune", "--only", "attn_decode,gemm_k_small_long_k")
-    assert set(data["results"]) == {"attn_decode", "attn_decode 1x1024", "gemm_k_small_long_k",
-                                    "gemm_k_small_long_k_fp8"}
+    assert set(data["results"]) == {"attn_decode", "attn_decode 1x1024", "attn_decode 32x8192 75%",
+                                    "gemm_k_small_long_k", "gemm_k_small_long_k_fp8"}
     last = data["results"]["gemm_k_small_long_k"]["variants"][-1]  # --smoke: the first and the last variant
     assert last["config"].get("PREFETCH") and "failed" not in last and last["rel_err"] <= 1e-2
 
