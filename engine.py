@@ -2,10 +2,10 @@
 The Triton inference path: the model of model.py (and the routers of wide.py), run so that the work of
 every skipped group is never done. A one-token decode step, layer by layer (policy.py plans every shape):
 
-    x ─► norm_route: residual add + RMSNorm + the attention router, one kernel ─► head_mask
-      ─► gemm_mn's decode GEMV: Q's live groups, then K and V as its dense tail, one weight stream; RoPE and
-         the KV-cache write in its epilogue ─► decode attention over the live KV heads ─► gemm_k: O, + residual
-      ─► norm_route (FFN router) ─► gemm_mn: gate+up, live groups, silu(gate)*up ─► gemm_k: down, + residual
+    x ─► norm_route: residual add + RMSNorm + the attention router's first Linear, one kernel
+      ─► gemm_mn's decode GEMV: the router's rule (head_mask), Q's live groups, then K and V as its dense tail,
+         RoPE and the KV-cache write in its epilogue ─► decode attention over the live KV heads ─► gemm_k: O, + x
+      ─► norm_route (FFN router) ─► gemm_mn: its rule, gate+up's live groups, silu(gate)*up ─► gemm_k: down, + x
 
 `select(model, backend)` is the one switch: "torch" returns the model itself (the reference), "triton" an
 `Engine` over the same weights, whose ops run their Triton kernels (on a GPU, or under TRITON_INTERPRET=1 on
@@ -29,7 +29,8 @@ from kernels_attention import attention_decode, attention_prefill
 from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
 from dial import CALIB_SEED, CALIB_WINDOWS
-from kernels_step import norm_route, quantize_rows, quantize_rows_ref, rms_norm, rope_and_store, swiglu_rows
+from kernels_step import (norm_route, norm_route_deferred, quantize_rows, quantize_rows_ref, rms_norm, rope_and_store,
+                          swiglu_rows)
 from policy import GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE, Plan, Policy, Shape
 from wide import shared_by_vote
 
@@ -256,37 +257,38 @@ class Engine:
 
     def block(self, layer, ops, x, delta, step, masks):
         """One layer, as its plan says: the residual stream x (+ delta, the previous layer's FFN output where its
-        down projection left the add to this layer) -> the next layer's (x, delta). Each sublayer starts with
-        one kernel that does the residual add, the RMSNorm and the router (norm_route), so a step has no
-        separate launches for them."""
+        down projection left the add to this layer) -> the next layer's (x, delta)."""
         if delta is None:
-            n, head_mask, head_live = self.norm_route(ops["attn_norm"], x, layer.input_layernorm, layer.attn_router,
-                                                      masks, "attn")
+            n, head_mask, head_live, rule = self.norm_route(ops["attn_norm"], x, layer.input_layernorm,
+                                                            layer.attn_router, masks, "attn")
         else:
-            (x, n), head_mask, head_live = self.norm_route(ops["attn_norm"], delta, layer.input_layernorm,
-                                                           layer.attn_router, masks, "attn", residual=x)
-        a = self.attention(layer, ops, n, step, head_mask, head_live, residual=x)
+            (x, n), head_mask, head_live, rule = self.norm_route(ops["attn_norm"], delta, layer.input_layernorm,
+                                                                 layer.attn_router, masks, "attn", residual=x)
+        a = self.attention(layer, ops, n, step, head_mask, head_live, residual=x, decision=rule)
         vote = step.plan.shape.ffn_vote or None  # the vote rule: the rows an FFN group needs (wide.FFNRule)
         if ops["o"].runs == "Triton":  # the O projection's kernel already formed h = x + a
             h = a
-            n, channel_mask, channel_live = self.norm_route(ops["ffn_norm"], h, layer.post_attention_layernorm,
-                                                            layer.ffn_router, masks, "ffn", vote=vote)
+            n, channel_mask, channel_live, rule = self.norm_route(ops["ffn_norm"], h, layer.post_attention_layernorm,
+                                                                  layer.ffn_router, masks, "ffn", vote=vote)
         else:                          # the norm's kernel forms it: (h, norm(h)) with h = x + a
-            (h, n), channel_mask, channel_live = self.norm_route(ops["ffn_norm"], a, layer.post_attention_layernorm,
-                                                                 layer.ffn_router, masks, "ffn", residual=x, vote=vote)
-        return self.ffn(layer, ops, n, channel_mask, channel_live, residual=h)
+            (h, n), channel_mask, channel_live, rule = self.norm_route(
+                ops["ffn_norm"], a, layer.post_attention_layernorm, layer.ffn_router, masks, "ffn", x, vote)
+        return self.ffn(layer, ops, n, channel_mask, channel_live, residual=h, decision=rule)
 
     def norm_route(self, op, x, norm, router, masks, kind, residual=None, vote=None):
-        """(norm(x) or (h, norm(h)) with h = residual + x, the router's decision on x or h as a bool mask
-        [B, T, G] (True = the group runs; None without a router), shared by the step's rows under the vote
-        rule (vote: the rows a group needs), and the router kernel's live list of that mask (None where the
-        mask was made apart from it). The float mask goes into `masks` as the reference records it."""
-        live = None
+        """(norm(x) or (h, norm(h)) with h = residual + x, the router's bool mask [B, T, G] on x or h (True = the
+        group runs; None without a router; shared by the rows under the vote rule: vote = the rows a group needs),
+        its live list (None where made apart from norm_route), the kernels_step.Decision the decode GEMV finishes
+        (or None)). The float mask goes into `masks` as the reference records it."""
+        live = decision = None
         if op.kind in ("norm", "norm_fp8"):  # norm_fp8: the output as fp8 rows, for _scaled_mm
             if router is not None and masks is not None:  # the batch rule: every group ran, as the model records
                 masks.setdefault(kind, []).append(x.new_ones(*x.shape[:-1], router.n_groups, dtype=torch.float32))
-            return rms_norm(x, norm, residual, fp8=op.kind == "norm_fp8"), None, None
-        if op.kind == "norm_route":
+            return rms_norm(x, norm, residual, fp8=op.kind == "norm_fp8"), None, None, None
+        if op.kind == "norm_route_deferred":  # one token: the mask's buffers, which the GEMV after it fills
+            normed, decision = norm_route_deferred(x, norm, router, residual, self.tickets)
+            keep, keepf, live = decision[:3]
+        elif op.kind == "norm_route":
             pol = self.policy  # decode-sized steps keep NORM_ROUTE_TILE: one tile gives the live list
             tile = pol.router_split_tile if x.shape[0] * x.shape[1] > NORM_ROUTE_SPLIT_MAX_TOKENS else NORM_ROUTE_TILE
             normed, keep, keepf, live = norm_route(x, norm, router, residual, self.tickets,
@@ -300,7 +302,7 @@ class Engine:
             keep, live = keepf > 0.5, None  # the vote changed the mask: the kernels list its groups themselves
         if masks is not None:
             masks.setdefault(kind, []).append(keepf)
-        return normed, keep, live
+        return normed, keep, live, decision
 
     def linear_weights(self, layer, name, op):
         """(weight, fp8 scale or None) as the op reads it: the model dtype, the fp8 codes, or the values
@@ -325,7 +327,7 @@ class Engine:
         one = self.policy.fp8_tensorwise_one_token and x.codes.shape[0] == 1
         return kernels.scaled_mm(x, w, scale, self.model.embed_tokens.weight.dtype, tensorwise=one)
 
-    def attention(self, layer, ops, x, step, head_mask, head_live, residual):
+    def attention(self, layer, ops, x, step, head_mask, head_live, residual, decision=None):
         """Attention with head_mask bool [B, T, G] or None (dense), head_live its live list (or None). Returns
         residual + attention where the O projection runs in Triton (its kernel adds the residual in its
         epilogue), else attention alone."""
@@ -349,7 +351,8 @@ class Engine:
         rope = None if "rope" in ops else kernels_gemv.Rope(step.cos, step.sin, step.slot, kc, vc, nq, Hkv * d, T)
         if op.kind == "gemv":
             # Q's live groups, then K and V (never pruned), as one weight stream in one launch.
-            qkv = kernels.gemm_mn(x2, wqkv, mask, gs, dense_tail=wqkv.shape[0] - nq, w_scale=s8, rope=rope)
+            qkv = kernels.gemm_mn(x2, wqkv, mask, gs, dense_tail=wqkv.shape[0] - nq, w_scale=s8, rope=rope,
+                                  decision=decision)
         elif op.kind == "gemv_all":  # every row as the dense tail: mask [M, 0]
             qkv = kernels.gemm_mn(x2, wqkv, self.no_groups(M), pow2_divisor(wqkv.shape[0], max(128, d)),
                                   dense_tail=wqkv.shape[0], w_scale=s8, rope=rope)
@@ -399,7 +402,7 @@ class Engine:
                                   w_scale=s8, live=head_live).view(B, T, -1)
         return self.matmul(y, layer, "o", op).view(B, T, -1)
 
-    def ffn(self, layer, ops, x, channel_mask, channel_live, residual):
+    def ffn(self, layer, ops, x, channel_mask, channel_live, residual, decision=None):
         """(residual + SwiGLU FFN, None) where down's kernel adds the residual in its epilogue, else (residual,
         the FFN's output) for the next norm's kernel to add; channel_mask bool [B, T, G] or None (dense) and its
         live list (or None), as the plan says."""
@@ -427,7 +430,8 @@ class Engine:
                                     w_scale=gate_scale, w_up_scale=up_scale)
             else:  # "gemv_fused" reads the mask itself, "tiles_fused" the layout
                 lay = layout(channel_mask) if "ffn_layout" in ops else mask
-                a = kernels.gemm_mn(x2, wgu[:I], lay, gs, w_up=wgu[I:], w_scale=gate_scale, w_up_scale=up_scale)
+                a = kernels.gemm_mn(x2, wgu[:I], lay, gs, w_up=wgu[I:], w_scale=gate_scale, w_up_scale=up_scale,
+                                    decision=decision)
         op = ops["down"]
         if op.kind == "gemm_k_all":
             gs, channel_live = dense_group(I), None
@@ -435,7 +439,7 @@ class Engine:
         if op.runs == "Triton":  # the residual add in the kernel's epilogue
             wd, sd = self.linear_weights(layer, "down", op)
             return kernels.gemm_k(a, wd, mask, gs, residual=residual.reshape(M, D), tickets=self.tickets,
-                                  w_scale=sd, live=channel_live).view(B, T, D), None
+                                  w_scale=sd, live=channel_live, live_fresh=decision is not None).view(B, T, D), None
         return residual, self.matmul(a, layer, "down", op).view(B, T, D)  # exact: `a`'s pruned channels are 0
 
     @torch.no_grad()
@@ -459,8 +463,7 @@ class Engine:
         return self.constant_mask(M, G)
 
     def constant_mask(self, M, G):
-        # Made once per shape: a fill kernel per call would sit between the step's Triton launches (and in
-        # its CUDA graph), where it costs a launch and breaks their overlap (kernels_base.pdl).
+        # Made once per shape: a fill kernel per call would cost a launch in the step (and break PDL's overlap)
         if (M, G) not in self.constant_masks:
             self.constant_masks[M, G] = torch.ones(M, G, dtype=torch.bool, device=self.tickets.device)
         return self.constant_masks[M, G]
@@ -471,14 +474,13 @@ def warm_chunks(chunk, positions, policy):
     that no chunk it serves later compiles a Triton kernel inside a request's latency. A served prompt of P
     tokens runs chunks of `chunk` tokens from start 0, then a remainder: any length 1..chunk, at start 0 or at
     a multiple of `chunk` (a slot holds `positions` of them). Triton compiles a kernel once per set of
-    constexpr values and per class of each int argument (1, a multiple of 16, other). So:
-      - every length up to the decode-sized paths' limits: those kernels keep their token count specialized
-        (one token is their decode step) and the plan changes at the policy's small thresholds;
-      - beyond that the prefill kernels take their token counts and starts unspecialized
-        (do_not_specialize), and what still varies is a constexpr bucket (the layout's next power of two)
-        or a plan threshold: each bucket's longest length and the one below it, each threshold's neighbours;
-      - each at start 0 and at start `chunk`, where the plan differs (dense: SDPA at 0, the prefill kernel
-        after; a one-token chunk after 0 runs as a decode step)."""
+    constexpr values and per class of each int argument (1, a multiple of 16, other). So: every length up to the
+    decode-sized paths' limits (those kernels keep their token count specialized, and the plan changes at the
+    policy's small thresholds); beyond, the prefill kernels take token counts and starts unspecialized
+    (do_not_specialize) and what still varies is a constexpr bucket (the layout's next power of two) or a plan
+    threshold: each bucket's longest length and the one below it, each threshold's neighbours; each at start 0
+    and at start `chunk`, where the plan differs (dense: SDPA at 0, the prefill kernel after; a one-token chunk
+    after 0 runs as a decode step)."""
     small = max(2 * GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS + 1, policy.sparse_decode_max_tokens + 1,
                 policy.dense_gemv_max_tokens + 1)
     out = []
@@ -508,12 +510,10 @@ def dense_group(n):
 
 
 class CUDAGraphDecoder:
-    """One decode step captured as a CUDA graph over static buffers (gpt-fast's reduce-overhead, by hand).
-
-    A replay launches every kernel of the step (Triton or cuBLAS) with no Python in between, so a
-    decode step costs its GPU time, not its launch overhead. The warm-up runs outside the graph (Triton
-    compiles, cuBLAS picks its kernels) with the step's real inputs, so the K/V it writes into the cache
-    are the ones the step itself writes again. Sampling stays outside, in eager mode."""
+    """One decode step captured as a CUDA graph over static buffers (gpt-fast's reduce-overhead, by hand): a
+    replay launches every kernel of the step with no Python in between, so a step costs its GPU time, not its
+    launch overhead. The warm-up runs outside the graph (Triton compiles, cuBLAS picks its kernels) with the
+    step's real inputs, so the K/V it writes are the ones the step writes again. Sampling stays outside."""
 
     def __init__(self, model, token, pos):
         self.model, self.token, self.pos = model, token.clone(), pos.clone()

@@ -233,7 +233,7 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, 
 
 
 def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, config=None, dense_tail=0,
-            w_scale=None, w_up_scale=None, rope=None):
+            w_scale=None, w_up_scale=None, rope=None, decision=None):
     """Masked linear with output-channel groups: x[M,K], w[N,K], mask [M, N/group_size] -> [M,N].
 
     With w_up it is the fused SwiGLU input silu(x @ w.T) * (x @ w_up.T) (w = gate).
@@ -247,6 +247,8 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     The decode GEMV reads the fp8 bytes; more tokens dequantize to x's dtype and run the sorted tiles.
     rope (kernels_gemv.Rope, decode GEMV only): w is [Q; K; V]; RoPE and the KV-cache write happen in the
     kernel's epilogue and the result is Q alone, rotated.
+    decision (kernels_step.Decision, one token): the mask is decision.keep, still to be made from the router's
+    first Linear; the decode GEMV makes it and writes keep, keepf and the live list (kernels_step.norm_route_deferred).
     """
     check_device(x)
     M, K = x.shape
@@ -269,7 +271,8 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     ieee = x.dtype == torch.float32
     if M <= GEMV_MAX_TOKENS:  # decode: the GEMV of kernels_gemv.py, straight from the mask or the live list
         return gemv_mn(x, w, w_up, ws, wus, out, flat_mask(mask_or_layout).view(torch.uint8), group_size, G, GE,
-                       config=config, rope=rope)
+                       config=config, rope=rope, decision=decision)
+    assert decision is None, "decision: the decode GEMV only"
     assert rope is None, "rope: the decode GEMV only"
     lay = as_layout(mask_or_layout)
     cfg = config_for("gemm_mn_fused" if fused else "gemm_mn", config)
@@ -357,9 +360,10 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, 
     before the residual add. HAS_LIVE (decode, one token tile): the groups come from the router's live list
     (norm_route) instead of the tile's own scan of the mask. PREFETCH (with HAS_LIVE): before the PDL wait the
     program reads the live list and loads its first weight slice, so its weight stream starts while the
-    kernel before it drains. That list is no output of the kernel just before this one (norm_route runs two or
-    more launches earlier: attention or the gate+up GEMV come between), and a kernel that starts early always
-    finds the one before its predecessor finished (kernels_base.prior_done). PIPE > 0: the K loop keeps PIPE
+    kernel before it drains. That list must be no output of the kernel just before this one (norm_route, or the
+    Q, K, V GEMV that applied the rule, two or more launches earlier; not down's list that gate+up wrote: the
+    host leaves PREFETCH off there), and a kernel that starts early always finds the one before its predecessor
+    finished (kernels_base.prior_done). PIPE > 0: the K loop keeps PIPE
     slices in flight through shared memory (for the one-row FMA tile, which has no tl.dot for the compiler to
     pipeline by itself). PDL: see kernels_base.prior_done. Twin: gemm_k_ref.
     """
@@ -485,7 +489,7 @@ def _gemm_k_atomic_kernel(a, w, out32, counts, perm, work, M, N, NT, sam, swn,
 
 
 def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residual=None, tickets=None,
-           w_scale=None, live=None):
+           w_scale=None, live=None, live_fresh=False):
     """Masked linear with reduction groups: a[M,K], w[N,K], mask [M, K/group_size] -> [M,N].
 
     residual [M, N]: return residual + (that result), the add fused into the kernel ("tile" only).
@@ -494,7 +498,8 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
     w_scale [N]: w is float8_e4m3fn with these per-row scales ("tile" reads the fp8 bytes at any M;
     "atomic" dequantizes first).
     live: the router's live list of this mask (kernels_step.norm_route), int32 [1 + G]; a decode step's
-    tile (all its tokens) reads it instead of scanning the mask.
+    tile (all its tokens) reads it instead of scanning the mask. live_fresh: the launch just before this one
+    wrote it (the decode GEMV that applied the router's rule), so config PREFETCH cannot read it early.
 
     method="tile" (default): deterministic, no atomics (see _gemm_k_kernel).
     method="atomic": per-group sorted tiles + fp32 atomics (the authors' scheme; not deterministic).
@@ -548,6 +553,7 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
                          BN=cfg["BN"], BK=pow2_divisor(group_size, cfg["BK"]), GROUP_M=8, SPLIT=split,
                          HAS_RES=residual is not None, FP8=w_scale is not None, IEEE=ieee,
                          F16=0 if w_scale is None else min(cfg.get("F16", 1), 1 if ieee else 2),
-                         HAS_LIVE=live is not None, PREFETCH=bool(cfg.get("PREFETCH")) and live is not None,
+                         HAS_LIVE=live is not None,
+                         PREFETCH=bool(cfg.get("PREFETCH")) and live is not None and not live_fresh,
                          PIPE=cfg.get("PIPE", 0), **launch_args(cfg), **pdl_args(a.device))
     return out

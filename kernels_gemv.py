@@ -64,22 +64,25 @@ def _gemv_dot(a, b, acc, FP8: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _gemv_mn_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, FUSED: tl.constexpr, FP8: tl.constexpr):
-    # A chunk's epilogue: fp8 scales, silu(gate) * up, the (token, group) outputs that skip set to 0.
+def _gemv_mn_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, FUSED: tl.constexpr, FP8: tl.constexpr,
+                 DECIDE: tl.constexpr):
+    # A chunk's epilogue: fp8 scales, silu(gate) * up, the (token, group) outputs that skip set to 0 (DECIDE: one
+    # token, whose live groups all run, and whose mask the first program is still writing: nothing to load).
     if FP8:  # the per-output-channel scales, in fp32
         res = res * tl.load(ws + n)[None, :]
         if FUSED:
             res_up = res_up * tl.load(wus + n)[None, :]
     if FUSED:
         res = res / (1.0 + tl.exp(-res)) * res_up
-    on = tl.load(mask + t[:, None] * G + g[None, :], mask=(t < M)[:, None] & (g < G)[None, :], other=1) > 0
-    tl.store(out + t[:, None] * som + n[None, :], tl.where(on, res, 0.0).to(out.dtype.element_ty),
-             mask=(t < M)[:, None])
+    if not DECIDE:
+        on = tl.load(mask + t[:, None] * G + g[None, :], mask=(t < M)[:, None] & (g < G)[None, :], other=1) > 0
+        res = tl.where(on, res, 0.0)
+    tl.store(out + t[:, None] * som + n[None, :], res.to(out.dtype.element_ty), mask=(t < M)[:, None])
 
 
 @triton.jit
 def _gemv_qkv_out(q_out, k_dst, v_dst, cos, sin, slot, mask, res, t, g, n, M, G, NQ, NK, T, sdb, sdh, sdt,
-                  BT: tl.constexpr, BN: tl.constexpr, HALF: tl.constexpr):
+                  BT: tl.constexpr, BN: tl.constexpr, HALF: tl.constexpr, DECIDE: tl.constexpr):
     # The epilogue of Q, K, V with RoPE: each value rounded to the model dtype as the projection's output
     # is, then rotated in fp32 ("rotate half": lane 2j holds x1, lane 2j + 1 its partner x2) and rounded
     # once, as rope_and_store does; Q to q_out (skipped (token, group) outputs 0), K and V (never pruned,
@@ -92,9 +95,10 @@ def _gemv_qkv_out(q_out, k_dst, v_dst, cos, sin, slot, mask, res, t, g, n, M, G,
     x1, x2 = tl.split(tl.reshape(r, [BT, BN // 2, 2]))
     rot = tl.reshape(tl.join(-x2, x1), [BT, BN])
     val = tl.where((n < NQ + NK)[None, :], r * c + rot * sn, r)
-    on = tl.load(mask + t[:, None] * G + g[None, :], mask=tok & (g < G)[None, :], other=1) > 0
-    tl.store(q_out + t[:, None] * NQ + n[None, :], tl.where(on, val, 0.0).to(q_out.dtype.element_ty),
-             mask=tok & (n < NQ)[None, :])
+    q = val
+    if not DECIDE:  # (DECIDE: see _gemv_mn_out)
+        q = tl.where(tl.load(mask + t[:, None] * G + g[None, :], mask=tok & (g < G)[None, :], other=1) > 0, val, 0.0)
+    tl.store(q_out + t[:, None] * NQ + n[None, :], q.to(q_out.dtype.element_ty), mask=tok & (n < NQ)[None, :])
     kv = tl.where(n < NQ + NK, n - NQ, n - NQ - NK)  # the row within K, or within V
     dst = ((t // T).to(tl.int64) * sdb + tl.load(slot + t, mask=t < M, other=0) * sdt)[:, None] + \
         (kv // (2 * HALF) * sdh + kv % (2 * HALF))[None, :]
@@ -105,23 +109,24 @@ def _gemv_qkv_out(q_out, k_dst, v_dst, cos, sin, slot, mask, res, t, g, n, M, G,
 @triton.jit
 def _gemv_chunk_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, k_dst, v_dst, cos, sin, slot, NQ, NK, T,
                     sdb, sdh, sdt, BT: tl.constexpr, BN: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr,
-                    HALF: tl.constexpr):
+                    HALF: tl.constexpr, DECIDE: tl.constexpr):
     # A finished chunk's sums [BT, BN] to their outputs: Q, K, V with RoPE and the cache write, or the rest.
     if HALF > 0:
         if FP8:
             res = res * tl.load(ws + n)[None, :]
         _gemv_qkv_out(out, k_dst, v_dst, cos, sin, slot, mask, res, t, g, n, M, G, NQ, NK, T, sdb, sdh, sdt,
-                      BT, BN, HALF)
+                      BT, BN, HALF, DECIDE)
     else:
-        _gemv_mn_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, FUSED, FP8)
+        _gemv_mn_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, FUSED, FP8, DECIDE)
 
 
 @triton.jit
 def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, sxm, swn, som,
-                    cos, sin, slot, k_dst, v_dst, NQ, NK, T, sdb, sdh, sdt,
+                    cos, sin, slot, k_dst, v_dst, NQ, NK, T, sdb, sdh, sdt, z, rw, rb, keepf, live, R,
                     GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-                    HALF: tl.constexpr, EVICT: tl.constexpr, PIPE: tl.constexpr, PDL: tl.constexpr):
+                    HALF: tl.constexpr, EVICT: tl.constexpr, PIPE: tl.constexpr, DECIDE: tl.constexpr,
+                    RP: tl.constexpr, PDL: tl.constexpr):
     """Decode gemm_mn (M <= BT tokens): the weight rows of groups no token runs are never read.
 
     Grid (P,), persistent. The live chunks (BN rows of a live group) are shared out evenly, whole chunks
@@ -136,14 +141,39 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
     kernels.gemm_mn_ref. PIPE > 0 (one token): the loop instead keeps PIPE steps' tiles in flight through
     shared memory (Triton's software pipeline, not registers) and sums [BN, BK] products lane by lane, reduced
     once per chunk rather than every step, so registers no longer cap the bytes in flight. PDL: see
-    kernels_base.prior_done (the mask is the previous kernel's). Twin: kernels.gemm_mn_ref.
+    kernels_base.prior_done (the mask is the previous kernel's). DECIDE (one token, after
+    kernels_step.norm_route_deferred): the mask is made here from the router's first Linear z (rw, rb: its second
+    Linear, loaded before the wait; the rule of wide.Router, as norm_route applies it), in every program, which
+    spares norm_route its ticket and last program; the first program writes it (mask, keepf) and the live list for
+    the kernels after this one. Twin: kernels.gemm_mn_ref (the mask: kernels_step.route_ref).
     """
+    gg = tl.arange(0, GP)
+    if DECIDE:  # the router's second Linear: weights, so before the wait
+        rr = tl.arange(0, RP)
+        wm = (gg < G)[:, None] & (rr < R)[None, :]
+        w_exec = tl.load(rw + (2 * gg)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [GP, RP]
+        w_skip = tl.load(rw + (2 * gg + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+        b_exec = tl.load(rb + 2 * gg, mask=gg < G, other=0.0)
+        b_skip = tl.load(rb + 2 * gg + 1, mask=gg < G, other=0.0)
     prior_done(PDL)
     pid, P = tl.program_id(0), tl.num_programs(0)
     t = tl.arange(0, BT)
-    gg = tl.arange(0, GP)
-    bits = tl.load(mask + t[:, None] * G + gg[None, :], mask=(t < M)[:, None] & (gg < G)[None, :],
-                   other=0).to(tl.int32)
+    if DECIDE:
+        zr = tl.load(z + rr, mask=rr < R, other=0.0)[None, :]
+        # skip iff z_skip > z_exec (a tie executes), as norm_route's last program decides
+        run = ((tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec) & (gg < G)).to(tl.int32)
+        bits = run[None, :]  # [1, GP]
+        if pid == 0:
+            tl.store(mask + gg, run.to(tl.uint8), mask=gg < G)
+            tl.store(keepf + gg, run.to(tl.float32), mask=gg < G)
+            off = tl.where(gg < G, 1 - run, 0)
+            n_on = tl.sum(run, 0)
+            tl.store(live, n_on)
+            tl.store(live + 1 + tl.cumsum(run, 0) - 1, gg, mask=run > 0)
+            tl.store(live + 1 + n_on + tl.cumsum(off, 0) - 1, gg, mask=off > 0)
+    else:
+        bits = tl.load(mask + t[:, None] * G + gg[None, :], mask=(t < M)[:, None] & (gg < G)[None, :],
+                       other=0).to(tl.int32)
     # WIDE skip: the live-group list; a group no token of the step runs is never put on it, so its weight
     # rows are never read (the dense tail, K and V after Q, is always live)
     live = ((tl.max(bits, 0) > 0) | ((gg >= G) & (gg < G + GE))).to(tl.int32)
@@ -168,7 +198,7 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
             if step % KS == KS - 1:  # chunk done: epilogue
                 _gemv_chunk_out(out, ws, wus, mask, tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], t, g, n, M,
                                 G, som, k_dst, v_dst, cos, sin, slot, NQ, NK, T, sdb, sdh, sdt, BT, BN, FUSED, FP8,
-                                HALF)
+                                HALF, DECIDE)
                 acc = tl.zeros([BN, BK], tl.float32)
                 acc_up = tl.zeros([BN, BK], tl.float32)
     else:
@@ -195,7 +225,7 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
             if step % KS == KS - 1:  # chunk done: epilogue
                 _gemv_chunk_out(out, ws, wus, mask, acc if BT > 1 else acc[None, :],
                                 acc_up if BT > 1 else acc_up[None, :], t, g, n, M, G, som, k_dst, v_dst, cos, sin,
-                                slot, NQ, NK, T, sdb, sdh, sdt, BT, BN, FUSED, FP8, HALF)
+                                slot, NQ, NK, T, sdb, sdh, sdt, BT, BN, FUSED, FP8, HALF, DECIDE)
                 acc = acc * 0.0
                 acc_up = acc_up * 0.0
     D = (G + GE - n_live) * (GS // BN)  # dead groups' chunks, shared out the same way: zeros only
@@ -221,10 +251,11 @@ class Rope(NamedTuple):
 GEMV_KERNEL = _gemv_mn_kernel
 
 
-def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope=None):
+def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope=None, decision=None):
     """Launch _gemv_mn_kernel for kernels.gemm_mn (x [M <= 16, K]; mask uint8 [M, G]; out [M, N]; ws, wus the
     fp8 scales or placeholders). rope (a Rope): w is Q, K, V; the epilogue rotates Q and K and writes K and V
-    into the cache; returns Q [M, n_q], rotated."""
+    into the cache; returns Q [M, n_q], rotated. decision (kernels_step.Decision, one token): mask is its keep,
+    which this launch makes and writes, with its keepf and live list."""
     M, K = x.shape
     N = w.shape[0]
     fused, fp8 = w_up is not w, ws is not x
@@ -247,13 +278,20 @@ def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope
         assert BN >= 2 and kc.stride() == vc.stride() and kc.stride(-1) == 1, "RoPE pairs need 2 lanes a chunk"
         half, out = d // 2, empty((M, rope.n_q), x.dtype, x.device)
     cos, sin, slot = (rope.cos, rope.sin, rope.slot) if rope is not None else (x, x, x)
+    dec = decision
+    if dec is not None:
+        assert M == 1 and dec.keep.numel() == G and dec.w.shape[0] == 2 * G, "decision: one token's, G groups"
+        assert dec.keep.data_ptr() == mask.data_ptr(), "decision: the mask is its keep"
     _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, mask, live_list,
                           M, N, K, G, GE, x.stride(0), w.stride(0), out.stride(0),
                           cos, sin, slot, kc, vc, rope.n_q if rope else 0, rope.n_k if rope else 0,
                           rope.tokens_per_row if rope else 1, kc.stride(0), kc.stride(1) if rope else 0,
-                          kc.stride(2) if rope else 0, GS=group_size, GP=GP,
+                          kc.stride(2) if rope else 0, *((dec.z, dec.w, dec.b, dec.keepf, dec.live, dec.z.shape[-1])
+                                                         if dec is not None else (x, x, x, x, x, 0)),
+                          GS=group_size, GP=GP,
                           BT=BT, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8, IEEE=x.dtype == torch.float32,
                           HALF=half, EVICT=cfg.get("evict", ""), PIPE=cfg.get("PIPE", 0) if BT == 1 else 0,
+                          DECIDE=dec is not None, RP=triton.next_power_of_2(dec.z.shape[-1]) if dec is not None else 1,
                           **launch_args(cfg),
                           **pdl_args(x.device))
     return out

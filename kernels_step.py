@@ -12,6 +12,8 @@ The small fused kernels of an inference step (engine.py), each after its PyTorch
 They skip nothing; they exist so that a decode step is a short list of launches that a CUDA graph
 replays. Same contract as kernels.py: Triton on a GPU or under TRITON_INTERPRET=1, or a clear error.
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -316,6 +318,49 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
             BG=max(16, triton.next_power_of_2(G)), PREC=prec, num_warps=cfg["finish_warps"], **pdl_args(x.device))
         normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
         return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), None
+    normed, z, live = _norm_route_split(x, norm, router, residual, tickets, ranks_per_program, x2, res, y, h, keep,
+                                        keepf, tile_tokens, True)
+    return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), live
+
+
+class Decision(NamedTuple):
+    """A one-token router decision that norm_route_deferred left to the kernel reading the mask: the router's
+    first Linear (z, fp32) is written; that kernel (the decode GEMV, kernels_gemv) applies the second Linear (w, b)
+    and the rule in every program and writes keep, keepf and live from its first, before any later kernel reads
+    them (they are the buffers norm_route would have filled)."""
+    keep: torch.Tensor   # bool [1, 1, G]
+    keepf: torch.Tensor  # float [1, 1, G]
+    live: torch.Tensor   # int32 [1 + G]
+    z: torch.Tensor      # fp32 [1, R]
+    w: torch.Tensor      # router.up.weight [2G, R]: (execute, skip) rows per group
+    b: torch.Tensor      # router.up.bias [2G]
+
+
+def norm_route_deferred(x, norm, router, residual=None, tickets=None):
+    """norm_route for one token without the decision: the residual add, the RMSNorm and the router's first
+    Linear, so the launch has no ticket and no last program; (normed, Decision) for the decode GEMV to finish.
+    The deferred rule is wide.Router's, so the masks and the live list are norm_route's."""
+    B, T, D = x.shape
+    assert B * T == 1, "norm_route_deferred: one token (a decode step of one row)"
+    G = router.n_groups
+    x2 = x.reshape(1, D).contiguous()
+    res = residual.reshape(1, D).contiguous() if residual is not None else x2
+    y = empty((1, D), x.dtype, x.device)
+    h = empty((1, D), x.dtype, x.device) if residual is not None else y
+    keep, keepf = empty((1, G), torch.uint8, x.device), empty((1, G), torch.float32, x.device)
+    normed, z, live = _norm_route_split(x, norm, router, residual, tickets, None, x2, res, y, h, keep, keepf,
+                                        NORM_ROUTE_TILE, False)
+    return normed, Decision(keep.view(torch.bool).view(1, 1, G), keepf.view(1, 1, G), live, z,
+                            router.up.weight.contiguous(), router.up.bias.contiguous())
+
+
+def _norm_route_split(x, norm, router, residual, tickets, ranks_per_program, x2, res, y, h, keep, keepf, tile_tokens,
+                      decide):
+    # norm_route's one launch for a decode step: the router's ranks split over programs -> (normed, z, live)
+    B, T, D = x.shape
+    M = B * T
+    down, up = router.down, router.up
+    G, R = router.n_groups, down.out_features
     z = empty((M, R), torch.float32, x.device)  # the first Linear's outputs, handed to each tile's last program
     live = empty((1 + G,), torch.int32, x.device)
     assert tile_tokens >= 2 and tile_tokens & (tile_tokens - 1) == 0, "tile_tokens: a power of two >= 2"
@@ -333,10 +378,10 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
     _norm_route_kernel[(P, n_tiles)](
         x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, z, up.weight, up.bias, keep, keepf, live, tickets,
         M, D, R, G, CW, HAS_RES=residual is not None, LIVE=n_tiles == 1, BT=BT, RB=RB,
-        BK=BK, RP=RP, BG=BG, CWP=triton.next_power_of_2(CW), ONE_PASS=BK >= D,
+        BK=BK, RP=RP, BG=BG, CWP=triton.next_power_of_2(CW), ONE_PASS=BK >= D, DECIDE=decide,
         num_warps=8, **pdl_args(x.device))  # wide chunks: the loop over D is latency-bound, so few long iterations
     normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
-    return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), live if n_tiles == 1 else None
+    return normed, z, live if n_tiles == 1 else None
 
 
 @triton.jit
@@ -352,7 +397,7 @@ def _residual_add(x, res, offs, ok, HAS_RES: tl.constexpr):
 def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, live, tickets, M, D, R, G,
                        CW, HAS_RES: tl.constexpr, LIVE: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
                        BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr, CWP: tl.constexpr, ONE_PASS: tl.constexpr,
-                       PDL: tl.constexpr):
+                       DECIDE: tl.constexpr, PDL: tl.constexpr):
     """Residual add + RMSNorm + router for a tile of BT tokens. Grid (cdiv(R, RB), token tiles).
 
     Every program forms h = res + x for its tile's tokens (rounded to the model dtype as `x + a` is) and
@@ -364,7 +409,8 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
     ticket. Deterministic: each z is one program's fixed-order sum, and one program does the rest of a
     token. Under PDL the router's weights (nothing a kernel writes) are loaded before the wait, so their
     latency hides behind the previous kernel's last programs (ONE_PASS: the first Linear's rows fit one
-    pass over D). Skips nothing. Twin: norm_route_ref."""
+    pass over D). DECIDE False (one token, norm_route_deferred): the kernel stops after z, h and RMSNorm(h); the
+    decode GEMV that reads the mask applies the rule (kernels_gemv). Skips nothing. Twin: norm_route_ref."""
     pid, tile = tl.program_id(0), tl.program_id(1)
     r = pid * RB + tl.arange(0, RB)
     kk = tl.arange(0, BK)
@@ -378,11 +424,12 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
     # hand instead of starting a dependent load.
     g = tl.arange(0, BG)
     rr = tl.arange(0, RP)
-    wm = (g < G)[:, None] & (rr < R)[None, :]
-    w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
-    w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
-    b_exec = tl.load(bu + 2 * g, mask=g < G, other=0.0)
-    b_skip = tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
+    if DECIDE:
+        wm = (g < G)[:, None] & (rr < R)[None, :]
+        w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
+        w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+        b_exec = tl.load(bu + 2 * g, mask=g < G, other=0.0)
+        b_skip = tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
     prior_done(PDL)
     t = tile * BT + tl.arange(0, BT)
     tok = t < M
@@ -409,24 +456,25 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
         tl.store(h_out + offs, hv, mask=ok)
     n = (hv.to(tl.float32) * tl.rsqrt(ss / D + eps)[:, None]).to(hv.dtype)
     tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
-    tl.debug_barrier()  # every thread's z is stored before the ticket is taken (release)
-    if tl.atomic_add(tickets + tile, 1) == tl.num_programs(0) - 1:  # the tile's last program: its z is complete
-        tl.atomic_xchg(tickets + tile, 0)
-        any_run = tl.zeros([BG], tl.int32)
-        for m in range(tile * BT, tl.minimum(tile * BT + BT, M)):
-            zr = tl.load(z + m * R + rr, mask=rr < R, other=0.0, cache_modifier=".cg")[None, :]
-            run = tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec  # a tie executes
-            tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
-            tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)
-            any_run = any_run | run.to(tl.int32)
-        if LIVE:
-            # The live list, built once per router decision: gemm_k's decode tile visits only its groups
-            on = tl.where(g < G, any_run, 0)
-            off = tl.where(g < G, 1 - any_run, 0)
-            n_live = tl.sum(on, 0)
-            tl.store(live, n_live)
-            tl.store(live + 1 + tl.cumsum(on, 0) - 1, g, mask=on > 0)
-            tl.store(live + 1 + n_live + tl.cumsum(off, 0) - 1, g, mask=off > 0)
+    if DECIDE:  # (not: the decode GEMV after this launch decides, kernels_step.norm_route_deferred)
+        tl.debug_barrier()  # every thread's z is stored before the ticket is taken (release)
+        if tl.atomic_add(tickets + tile, 1) == tl.num_programs(0) - 1:  # the tile's last program: its z is complete
+            tl.atomic_xchg(tickets + tile, 0)
+            any_run = tl.zeros([BG], tl.int32)
+            for m in range(tile * BT, tl.minimum(tile * BT + BT, M)):
+                zr = tl.load(z + m * R + rr, mask=rr < R, other=0.0, cache_modifier=".cg")[None, :]
+                run = tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec  # a tie executes
+                tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
+                tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)
+                any_run = any_run | run.to(tl.int32)
+            if LIVE:
+                # The live list, built once per router decision: gemm_k's decode tile visits only its groups
+                on = tl.where(g < G, any_run, 0)
+                off = tl.where(g < G, 1 - any_run, 0)
+                n_live = tl.sum(on, 0)
+                tl.store(live, n_live)
+                tl.store(live + 1 + tl.cumsum(on, 0) - 1, g, mask=on > 0)
+                tl.store(live + 1 + n_live + tl.cumsum(off, 0) - 1, g, mask=off > 0)
 
 
 @triton.jit(do_not_specialize=["M"])  # chunk lengths: see engine.warm_chunks

@@ -48,6 +48,8 @@ class Op(NamedTuple):
 KINDS = {
     "norm": "RMSNorm (rms_norm)",
     "norm_route": "RMSNorm + the router in one launch (norm_route; two in a prefill chunk), residual add fused",
+    "norm_route_deferred": "RMSNorm + the router's first Linear in one launch (norm_route_deferred), residual add "
+                           "fused; the decode GEMV after it applies the rule and writes the mask",
     "norm_then_router": "RMSNorm (rms_norm), then the router module itself (two fp32 GEMMs)",
     "norm_fp8": "RMSNorm (rms_norm), its output as per-token fp8 rows for _scaled_mm, in the same launch",
     "layout": "mask reordering: per group, its live tokens first (layout + work list)",
@@ -127,6 +129,10 @@ class Policy:
     # ... and its tile in such steps past NORM_ROUTE_SPLIT_MAX_TOKENS tokens (a power of two): more tokens per tile,
     # fewer reads of each token's row (once per rank and tile), longer serial work for each tile's last program.
     router_split_tile: int = NORM_ROUTE_TILE
+    # One-token steps: norm_route stops after the router's first Linear and the decode GEMV that reads the mask
+    # applies the rule in each of its programs (norm_route_deferred), so norm_route has no ticket and no last
+    # program; False keeps the whole decision in norm_route (bench.e2e times both at batch 1).
+    router_rule_in_gemv: bool = True
     dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
     # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa" (with
     # the model's causal-mask rows, which rules out flash); the Triton kernel was the faster on the H200.
@@ -173,6 +179,9 @@ class Policy:
         if gate_up.kind in ("cublas", "cublas_masked") and ops["down"].weights != "fp8 x fp8":
             ops["gate_up"] = gate_up._replace(kernels=gate_up.kernels + ("swiglu_rows_kernel",))  # SwiGLU, zeros
         for norm, linear in (("attn_norm", "qkv"), ("ffn_norm", "gate_up")):
+            if (ops[norm].kind == "norm_route" and ops[linear].kind in ("gemv", "gemv_fused") and shape.tokens == 1
+                    and self.router_rule_in_gemv and not shape.ffn_vote):  # the GEMV finishes the decision
+                ops[norm] = ops[norm]._replace(kind="norm_route_deferred")
             if ops[norm].kind == "norm" and ops[linear].weights == "fp8 x fp8":  # the norm quantizes the input
                 ops[norm] = Op("norm_fp8", "Triton", kernels=("rms_norm_kernel",))
                 ops[linear] = ops[linear]._replace(kernels=())

@@ -209,7 +209,8 @@ def markdown(meta, rows):
     lines = [f"# One-token GEMV lab on {meta['gpu']}", "", f"torch {meta['torch']}, triton {meta['triton']}, "
              f"{meta['date']}, `{meta['command']}`. One weight, half its row groups live; live bytes / time. "
              "Config: (BN, BK, stages, programs per SM, num_warps, mode); mode 1 fp32 lane sums, 2 f16 products, "
-             "3 loads only, 4 loads only by words, 5 integer-op conversion. " + meta.get("note", ""), "",
+             "3 loads only" + (", 4 loads only by words, 5 integer-op conversion" if "words" in meta["command"] else "")
+             + ". " + meta.get("note", ""), "",
              "| shape | weights | kernel | config | us | live TB/s |", "|---|---|---|---|---|---|"]
     for name in SHAPES:
         for fp8 in (True, False):
