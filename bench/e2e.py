@@ -582,7 +582,11 @@ def main(argv=None):
                    "many seconds")
     p.add_argument("--small-dir", default="out", help="where to look for a trained router checkpoint")
     p.add_argument("--append", action="store_true", help="keep the rows of the parts not run from the --out file")
+    p.add_argument("--redraw-profile", metavar="JSON", default=None, help="measure nothing: rewrite the .md and .png "
+                   "of a decode profile (results/decode_profile_*.json) from its .json")
     args = p.parse_args(argv)
+    if args.redraw_profile:
+        return step_profile.redraw(args.redraw_profile)
     common.prepare(args, "-m bench.e2e", argv, "e2e_h200")
     run = smoke_run() if args.smoke else E2ESetup()
     run.decode = args.decode or run.decode

@@ -1,6 +1,7 @@
 """
 Where the time of one decode step goes, op by op: `python -m bench.e2e --only profile` ->
-results/decode_profile_h200.{json,md} (bench/e2e.py's model and routers; this file holds the profile itself).
+results/decode_profile_h200.{json,md,png} (bench/e2e.py's model and routers; this file holds the profile itself;
+`python -m bench.e2e --redraw-profile results/decode_profile_h200.json` rewrites the .md and .png from the .json).
 
 For each (batch, context, weights) of Run.profile and each router profile (dense, WIDE at the bench's
 calibration, and at batch >= 8 the attention-leaning 75/25 routers), one decode step is captured as a CUDA
@@ -15,10 +16,12 @@ Triton kernels by name, a cuBLAS GEMM to the next op the plan sends to cuBLAS, a
   GB/s    MB / us: against the copy ceiling (bench/common.py COPY_GBS)
 The step time is CUDA-event time per replay; 'byte-ideal' is the step's MB at the copy ceiling.
 """
+import json
 import os
 
 import torch
 
+import cli
 import engine
 from bench.common import COPY_GBS, calibrate_routers, clock_ms, fill_cache, mask_summary, save, set_profile, with_engine
 from policy import Policy
@@ -176,6 +179,78 @@ def profile_markdown(record):
     return "\n".join(out) + "\n"
 
 
+# The ops that stream weights (or, in attention, the KV cache): the rest of a step is fixed cost at batch 1
+STREAMS = ("qkv", "attention", "o", "gate_up", "down", "step_head")
+ORDER = ("embedding", "step_every_head", "attn_norm", "attn_layout", "qkv", "rope", "attention", "o", "ffn_norm",
+         "ffn_layout", "gate_up", "down", "step_norm", "step_head")  # as a step runs them
+
+
+def profile_figure(record):
+    """Where each profiled decode step's time goes: a horizontal bar per step (dense and WIDE, one panel per batch,
+    context and weights), cut into its ops' time (each op's gaps included), and a black tick at the step's
+    byte-ideal time (its bytes at the copy ceiling). Hatched: the ops that stream no weights nor cache."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = list(dict.fromkeys((s["batch"], s["context"], s["weights"]) for s in record["steps"]))
+    seen = list(dict.fromkeys(label for s in record["steps"] for label in s["ops"]))
+    labels = [label for label in ORDER if label in seen] + [label for label in seen if label not in ORDER]
+    legend = {}  # label -> its name, once: the first bar that draws it
+    fig, axes = plt.subplots(len(groups), 1, figsize=(11, 1.2 + 0.55 * len(record["steps"]) + 0.5 * len(groups)),
+                             squeeze=False)
+    for ax, (batch, context, weights) in zip(axes[:, 0], groups):
+        steps = [s for s in record["steps"] if (s["batch"], s["context"], s["weights"]) == (batch, context, weights)]
+        for y, s in enumerate(steps):
+            left = 0.0
+            for i, label in enumerate(labels):
+                r = s["ops"].get(label)
+                if r is None:
+                    continue
+                width = (r["us"] + r["gap_us"]) / 1e3
+                ax.barh(y, width, left=left, color=plt.get_cmap("tab20")(i % 20), edgecolor="white",
+                        hatch=None if label in STREAMS else "//",
+                        label=None if label in legend else legend.setdefault(label, LABELS.get(label, label)))
+                left += width
+            ax.plot([s["byte_ideal_us"] / 1e3] * 2, [y - 0.45, y + 0.45], color="black", linewidth=2)
+            ax.text(left, y, f" {s['step_us'] / 1e3:.2f} ms ({s['share_of_byte_ideal']:.0%} of byte-ideal)",
+                    va="center", fontsize=8)
+        ax.set_yticks(range(len(steps)), [s["profile"] for s in steps], fontsize=8)
+        ax.set_xlim(0, 1.35 * max(s["step_us"] for s in steps) / 1e3)
+        ax.invert_yaxis()
+        ax.set_title(f"batch {batch}, context {context}, {weights} weights", fontsize=9)
+    axes[-1, 0].set_xlabel(f"ms per decode step (black tick: the step's bytes at {record.get('copy_GBps', COPY_GBS)} "
+                           "GB/s, the copy ceiling of bench/common.py)")
+    handles = [h for ax in axes[:, 0] for h in ax.get_legend_handles_labels()[0]]
+    names = [n for ax in axes[:, 0] for n in ax.get_legend_handles_labels()[1]]
+    fig.legend(handles, names, loc="lower center", ncol=6, fontsize=7, frameon=False)
+    fig.suptitle(f"One decode step, op by op ({record['gpu']})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
+
+
+def write_profile(out, record):
+    """The profile's .json, .md and .png at `out` (a path prefix)."""
+    import matplotlib.pyplot as plt
+    save(out, record, profile_markdown(record))
+    fig = profile_figure(record)
+    fig.savefig(out + ".png", dpi=120)
+    plt.close(fig)
+
+
+def redraw(path):
+    """bench.e2e --redraw-profile: the .md and .png of a profile's results file, from its .json (no GPU)."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        prefix = path[:-len(".json")] if path.endswith(".json") else path
+        write_profile(prefix, record)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        cli.fail(f"--redraw-profile {path}: not a decode profile's results file ({type(e).__name__}: {e}); give "
+                 "its .json, e.g. results/decode_profile_h200.json")
+    print(f"rewritten: {prefix}.md, {prefix}.png")
+    return record
+
+
 @torch.no_grad()
 def profile_one(run, e, batch, context, replays=20):
     """One decode step of `batch` rows at `context` cached positions through engine e: its profile."""
@@ -226,7 +301,7 @@ def profile_rows(run, m, record, out, log):
                 rec["steps"].append(dict(s, batch=batch, context=context, weights=weights, profile=name))
                 log(f"  profile batch {batch}, context {context}, {weights}, {name}: step {s['step_us']} us, kernels "
                     f"{s['kernel_us']} us, gaps {s['gap_us']} us, {s['share_of_byte_ideal']:.0%} of byte-ideal")
-                save(out, rec, profile_markdown(rec))
+                write_profile(out, rec)
     finally:
         calibrate_routers(m, 0.5, run.calibrate_tokens)
     return []

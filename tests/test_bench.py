@@ -346,3 +346,20 @@ def test_decode_timing_feeds_every_engine_the_same_tokens_and_cache():
     got = [common.with_engine(m, True, pol, lambda e: e2e.time_decode(run, e, 1, 24, 3)[1])
            for pol in (policy.Policy(), policy.Policy(sparse_decode_max_tokens=0), policy.Policy())]
     assert got[0] == got[1] == got[2], got
+
+
+def test_e2e_redraws_a_decode_profile_from_its_json_on_any_machine(tmp_path, capsys):
+    # The committed H100 profile: its table rewritten identically from the .json, and the plot of where each step's
+    # time goes (no GPU, no interpreter, no measuring).
+    import shutil
+    from bench import e2e
+    from conftest import run_main
+    src = os.path.join(ROOT, "results", "decode_profile_h100")
+    shutil.copy(src + ".json", tmp_path / "p.json")
+    r = run_main(capsys, e2e.main, "--redraw-profile", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "p.md").read_text() == open(src + ".md").read()
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "p.png").stat().st_size > 10000
+    (tmp_path / "bad.json").write_text('{"rows": []}')
+    assert_one_line_error(run_main(capsys, e2e.main, "--redraw-profile", str(tmp_path / "bad.json")),
+                          "--redraw-profile", "decode profile")
