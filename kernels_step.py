@@ -2,7 +2,8 @@
 The small fused kernels of an inference step (engine.py), each after its PyTorch twin:
 
   norm_route      residual add + RMSNorm + the wide.Router decision (and the live list): one launch per sublayer
-                  in a decode step, two in a prefill chunk
+                  in a decode step, two in a prefill chunk; norm_route_deferred (one token): the same launch
+                  without the rule, which the decode GEMV after it applies (kernels_gemv)
   rms_norm        RMSNorm (with the residual add) where there is no router; its output as fp8 rows if asked
   rope_and_store  RoPE on q and k, and k, v written into the static KV cache at each token's slot
   swiglu_rows     silu(gate) * up of a library GEMM's output, the pruned channel groups' zeros in the same launch
