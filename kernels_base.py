@@ -193,3 +193,32 @@ def prior_done(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
     if PDL > 1:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+# wide.Router's decision, shared by the two kernels that make it (norm_route's last program; with
+# norm_route_deferred, the decode GEMV's programs), so that both apply it in the same order of operations.
+@triton.jit
+def router_second_linear(wu, bu, g, G, rr, R):
+    # The second Linear's (execute, skip) rows [len(g), len(rr)] and biases: weights, so loadable before a PDL wait
+    wm = (g < G)[:, None] & (rr < R)[None, :]
+    w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+    w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+    return w_exec, w_skip, tl.load(bu + 2 * g, mask=g < G, other=0.0), tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
+
+
+@triton.jit
+def router_rule(zr, w_exec, w_skip, b_exec, b_skip):
+    # One token's groups from its first-Linear outputs zr [1, R]: skip iff z_skip > z_exec (a tie executes)
+    return tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec
+
+
+@triton.jit
+def store_live(live, on, g, G):
+    # The live list of a decision (on: int32, 1 where some token runs group g): the number of such groups, those
+    # groups ascending, then the others ascending
+    on = tl.where(g < G, on, 0)
+    off = tl.where(g < G, 1 - on, 0)
+    n_on = tl.sum(on, 0)
+    tl.store(live, n_on)
+    tl.store(live + 1 + tl.cumsum(on, 0) - 1, g, mask=on > 0)
+    tl.store(live + 1 + n_on + tl.cumsum(off, 0) - 1, g, mask=off > 0)

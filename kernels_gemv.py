@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_base import codes_f32, config_for, empty, launch_args, num_sms, pdl_args, pow2_divisor, prior_done
+from kernels_base import (codes_f32, config_for, empty, launch_args, num_sms, pdl_args, pow2_divisor, prior_done,
+                          router_rule, router_second_linear, store_live)
 from policy import GEMV_MAX_TOKENS
 
 
@@ -150,27 +151,18 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
     gg = tl.arange(0, GP)
     if DECIDE:  # the router's second Linear: weights, so before the wait
         rr = tl.arange(0, RP)
-        wm = (gg < G)[:, None] & (rr < R)[None, :]
-        w_exec = tl.load(rw + (2 * gg)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [GP, RP]
-        w_skip = tl.load(rw + (2 * gg + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
-        b_exec = tl.load(rb + 2 * gg, mask=gg < G, other=0.0)
-        b_skip = tl.load(rb + 2 * gg + 1, mask=gg < G, other=0.0)
+        w_exec, w_skip, b_exec, b_skip = router_second_linear(rw, rb, gg, G, rr, R)  # [GP, RP], [GP]
     prior_done(PDL)
     pid, P = tl.program_id(0), tl.num_programs(0)
     t = tl.arange(0, BT)
     if DECIDE:
         zr = tl.load(z + rr, mask=rr < R, other=0.0)[None, :]
-        # skip iff z_skip > z_exec (a tie executes), as norm_route's last program decides
-        run = ((tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec) & (gg < G)).to(tl.int32)
+        run = (router_rule(zr, w_exec, w_skip, b_exec, b_skip) & (gg < G)).to(tl.int32)  # as norm_route decides
         bits = run[None, :]  # [1, GP]
         if pid == 0:
             tl.store(mask + gg, run.to(tl.uint8), mask=gg < G)
             tl.store(keepf + gg, run.to(tl.float32), mask=gg < G)
-            off = tl.where(gg < G, 1 - run, 0)
-            n_on = tl.sum(run, 0)
-            tl.store(live, n_on)
-            tl.store(live + 1 + tl.cumsum(run, 0) - 1, gg, mask=run > 0)
-            tl.store(live + 1 + n_on + tl.cumsum(off, 0) - 1, gg, mask=off > 0)
+            store_live(live, run, gg, G)
     else:
         bits = tl.load(mask + t[:, None] * G + gg[None, :], mask=(t < M)[:, None] & (gg < G)[None, :],
                        other=0).to(tl.int32)

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from kernels import FP8, Fp8Rows, quantize_fp8
-from kernels_base import INTERPRET, check_device, config_for, empty, launch_args, pdl_args, prior_done
+from kernels_base import (INTERPRET, check_device, config_for, empty, launch_args, pdl_args, prior_done, router_rule,
+                          router_second_linear, store_live)
 from model import apply_rope
 from policy import NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE
 
@@ -426,11 +427,7 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
     g = tl.arange(0, BG)
     rr = tl.arange(0, RP)
     if DECIDE:
-        wm = (g < G)[:, None] & (rr < R)[None, :]
-        w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
-        w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
-        b_exec = tl.load(bu + 2 * g, mask=g < G, other=0.0)
-        b_skip = tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
+        w_exec, w_skip, b_exec, b_skip = router_second_linear(wu, bu, g, G, rr, R)  # [BG, RP], [BG]
     prior_done(PDL)
     t = tile * BT + tl.arange(0, BT)
     tok = t < M
@@ -464,18 +461,12 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
             any_run = tl.zeros([BG], tl.int32)
             for m in range(tile * BT, tl.minimum(tile * BT + BT, M)):
                 zr = tl.load(z + m * R + rr, mask=rr < R, other=0.0, cache_modifier=".cg")[None, :]
-                run = tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec  # a tie executes
+                run = router_rule(zr, w_exec, w_skip, b_exec, b_skip)
                 tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
                 tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)
                 any_run = any_run | run.to(tl.int32)
             if LIVE:
-                # The live list, built once per router decision: gemm_k's decode tile visits only its groups
-                on = tl.where(g < G, any_run, 0)
-                off = tl.where(g < G, 1 - any_run, 0)
-                n_live = tl.sum(on, 0)
-                tl.store(live, n_live)
-                tl.store(live + 1 + tl.cumsum(on, 0) - 1, g, mask=on > 0)
-                tl.store(live + 1 + n_live + tl.cumsum(off, 0) - 1, g, mask=off > 0)
+                store_live(live, any_run, g, G)  # once per router decision: gemm_k's decode tile visits only its groups
 
 
 @triton.jit(do_not_specialize=["M"])  # chunk lengths: see engine.warm_chunks

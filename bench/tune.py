@@ -149,6 +149,7 @@ def run_tune(s, args, argv):
                   for name, fns in case.dense.items() if name != case.baseline[0]}
         results[key] = dict(op=case.op, tokens=case.tokens, timing="cuda_graph" if graphed else "do_bench",
                             dense_ms=dense_ms, baseline=case.baseline[0], others_ms=others, skipped=share,
+                            live=half.float().mean().item(),
                             current=kernels_base.CONFIGS[key.split()[0]], variants=[])
         current = kernels_base.CONFIGS[key.split()[0]]
         todo = [dict(current)] + [v for v in variants if v != current and
@@ -199,6 +200,9 @@ def run_in_step(s, args, argv):
     run = smoke_run() if s.smoke else E2ESetup()
     table = {key: spec for key, spec in tune_table(s).items() if key.startswith(STEP_KEYS)
              and (not args.only or any(w in key for w in args.only))}
+    if not table:
+        cli.fail(f"--in-step: no decode key matches --only {','.join(args.only)}; the decode keys start with "
+                 f"{', '.join(STEP_KEYS)}")
 
     def shape(key):  # [batch, context] of the step that judges a key (its routers' masks: about half skipped)
         words = key.split()

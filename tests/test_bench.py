@@ -160,8 +160,15 @@ def test_tune_times_each_config_passed_to_the_op(tmp_path):
 def test_tune_times_serving_batch_attention_at_three_quarters_skipped(tmp_path):
     data, md = smoke(tmp_path, "bench.tune", "--only", "32x8192")
     (r,) = data["results"].values()
-    assert list(data["results"]) == ["attn_decode 32x8192 75%"] and r["skipped"] == 0.75
+    assert list(data["results"]) == ["attn_decode 32x8192 75%"] and r["skipped"] == 0.75 and r["live"] == 0.25
     assert all("failed" not in v and v["rel_err"] <= 1e-2 for v in r["variants"])
+
+
+def test_tune_in_step_refuses_keys_it_cannot_time_in_a_step_in_one_line(capsys):
+    from bench import tune
+    from conftest import run_main
+    r = run_main(capsys, tune.main, "--smoke", "--in-step", "--only", "norm_route")
+    assert_one_line_error(r, "--in-step", "norm_route")
 
 
 def test_tune_in_step_times_each_variant_between_two_runs_of_the_current_configs(tmp_path):
@@ -247,6 +254,7 @@ def test_e2e_rows_carry_dense_bandwidth_and_the_byte_limit(e2e_run):
                                                 else {"triton", "sdpa"})  # (no 'PDL off' without PDL)
         assert set(r["masks"]) == {"attn_skip", "ffn_skip", "attn_union_live", "ffn_union_live"}
     assert set(next(r for r in decode if r["batch"] == 6)["wide_ms_by_policy"]) == {"default", "all sparse"}
+    assert set(next(r for r in decode if r["batch"] == 1)["wide_ms_by_policy"]) == {"default", "rule in norm_route"}
 
 
 def test_e2e_compares_the_dense_engine_with_torch_compile_once(e2e_run):

@@ -83,9 +83,10 @@ def test_every_kernel_that_takes_pdl_waits_before_its_first_load_or_store():
                     formed.update({t.id: names(v) for t, v in pairs if isinstance(t, ast.Name)})
                 for call in (n for n in ast.walk(stmt) if isinstance(n, ast.Call)):
                     name = getattr(call.func, "attr", None) or getattr(call.func, "id", None)
-                    if name == "load":
-                        # the pointer arguments the address is formed from (upper-case ones are sizes)
-                        read = names(call.args[0]) & params
+                    if name in ("load", "router_second_linear"):
+                        # the pointer arguments the address is formed from (upper-case ones are sizes); the router's
+                        # second Linear (kernels_base) loads from its first two arguments
+                        read = set().union(*[names(a) for a in call.args[:1 if name == "load" else 2]]) & params
                         assert read and all(n in allowed or n.isupper() for n in read), \
                             f"{where} loads from {sorted(read)} before prior_done(PDL)"
                     else:
