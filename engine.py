@@ -371,12 +371,11 @@ class Engine:
             q = rope_and_store(q, k, v, step, kc, vc, H, Hkv, d).view(B, T, H, d).transpose(1, 2)
         kind, S = ops["attention"].kind, step.start  # a prefill chunk at `start` sees the start + T keys before it
         zeroed = kind.endswith("_zeroed")  # every head runs, then the pruned heads' outputs are set to 0
-        wo = self.linear_weights(layer, "o", ops["o"])[0] if kind.endswith("_prefetch_o") else None
-        kind = kind.removesuffix("_zeroed").removesuffix("_prefetch_o")
-        if kind == "decode_live":  # skips idle KV heads
-            y = attention_decode(q, kc, vc, mask, step.kv_len, tickets=self.tickets, prefetch=wo)
+        kind = kind.removesuffix("_zeroed")
+        if kind == "decode_live":
+            y = attention_decode(q, kc, vc, mask, step.kv_len, tickets=self.tickets)  # skips idle KV heads
         elif kind == "decode_every":
-            y = attention_decode(q, kc, vc, step.all_heads, step.kv_len, tickets=self.tickets, prefetch=wo)
+            y = attention_decode(q, kc, vc, step.all_heads, step.kv_len, tickets=self.tickets)
         elif kind == "decode_sdpa":
             y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=step.visible, enable_gqa=Hkv != H)
         elif kind == "prefill_live":  # (causal: the kernel reads no key past the chunk's last)

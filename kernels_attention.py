@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels_base import check_device, config_for, empty, launch_args, num_sms, pdl_args, prefetch_l2, prior_done
+from kernels_base import check_device, config_for, empty, launch_args, num_sms, pdl_args, prior_done
 from kernels_layout import Layout, as_layout
 
 
@@ -173,28 +173,11 @@ def attention_decode_ref(q, k_cache, v_cache, head_mask, kv_len):
 
 
 @triton.jit
-def _prefetch_o(wo, swo, NO, head_mask, B, G, i, NI, GSO, PF: tl.constexpr, GO: tl.constexpr, RB: tl.constexpr):
-    # Idle program i of NI: O's rows in blocks of RB, block i, i + NI, ...; the column block of each group some
-    # row runs (GSO columns, PF bytes)
-    gg = tl.arange(0, GO)
-    on = tl.zeros([GO], tl.int32)
-    for b in range(B):
-        on = on | tl.load(head_mask + b * G + gg, mask=gg < G, other=0).to(tl.int32)
-    rr = tl.arange(0, RB)
-    # WIDE skip: a head group no row runs has its O columns left in memory
-    for blk in range(i, tl.cdiv(NO, RB), NI):
-        rows = blk * RB + rr
-        prefetch_l2(wo + rows[:, None].to(tl.int64) * swo + (gg * GSO)[None, :], (rows < NO)[:, None] & (on > 0)[None, :],
-                    PF)
-
-
-@triton.jit
 def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, NP, TARGET,
-                        sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale, wo, swo, NO,
+                        sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
                         HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, H2: tl.constexpr,
                         BJ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr,
-                        D: tl.constexpr, IEEE: tl.constexpr, PF: tl.constexpr, GO: tl.constexpr,
-                        RB: tl.constexpr, PFA: tl.constexpr, PDL: tl.constexpr):
+                        D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """Split-KV decode attention (one query token per row) over a work list of live items only.
 
     The work is a list of items (row b, KV head, chunk of that row's cached keys), built in every
@@ -207,10 +190,7 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     The merge is in the same launch: a pair cut into several chunks stores each chunk's normalised partial
     and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (in chunk order,
     so the result does not depend on which finished last) and resets the ticket. At most MC chunks per pair
-    (longer chunks instead), so that merge stays short. PF > 0 (the O projection's weight wo [NO, H * D]
-    given): the programs left without an item ask L2 for O's columns of the live head groups, PF bytes per row
-    and group, while the rest run a latency-bound attention that leaves memory idle; O's GEMV after this
-    launch then reads them from L2. A group that no row runs is not fetched. PDL: see kernels_base.prior_done.
+    (longer chunks instead), so that merge stays short. PDL: see kernels_base.prior_done.
     Twin: attention_decode_ref.
     """
     prior_done(PDL)
@@ -237,8 +217,6 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     cnt = tl.cdiv(n, ch)
     cum = tl.cumsum(cnt, 0)
     if pid >= tl.sum(cnt, 0):
-        if PF > 0 and not PFA:
-            _prefetch_o(wo, swo, NO, head_mask, B, G, pid - tl.sum(cnt, 0), NP - tl.sum(cnt, 0), HPG * D, PF, GO, RB)
         return
     pj = tl.sum((cum <= pid).to(tl.int32), 0)  # the pair this item belongs to
     sel = j == pj
@@ -264,8 +242,6 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     for t0 in range(full, end, BN):
         acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
                                     BN, D, True, IEEE)
-    if PF > 0 and PFA:  # config prefetch_after: the item programs prefetch, after their own loads
-        _prefetch_o(wo, swo, NO, head_mask, B, G, pid, tl.sum(cnt, 0), HPG * D, PF, GO, RB)
     optr = o + b * sob + head[:, None] * soh + dd[None, :]
     if items == 1:  # the pair's keys in one chunk: nothing to merge
         tl.store(optr, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=act[:, None])
@@ -296,15 +272,13 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
 DECODE_KERNEL = _attn_decode_kernel
 
 
-def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, tickets=None, prefetch=None):
+def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, tickets=None):
     """q[B,H,1,d], k/v cache [B,Hkv,L,d], head_mask [B,G], kv_len [B] -> [B,H,1,d].
     kv_len[b] must lie in [1, L] (a decode step's row holds at least its own key; the engine's always do):
     the kernel does not clamp it (a length past L would read past the cache, 0 would leave the row's live
     heads unwritten), since checking it on the host would cost a sync per step.
     tickets: int32 zeros, at least B * Hkv, for the in-launch merge (the kernel leaves them zero, so a
-    caller, e.g. the engine's CUDA-graphed step, can keep one buffer); None allocates them.
-    prefetch: the O projection's weight [N, H * d] (bf16, or fp8 codes) that the next launch multiplies this
-    output by: the launch's idle programs ask L2 for its live head groups' columns (see the kernel)."""
+    caller, e.g. the engine's CUDA-graphed step, can keep one buffer); None allocates them."""
     check_device(q)
     B, H, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
@@ -313,12 +287,9 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, ticket
     assert D >= 16 and D == triton.next_power_of_2(D), "head dim must be a power of two >= 16"
     cfg = config_for("attn_decode", config)
     # About `target` items in a step (enough to fill the GPU a few times over); never more programs
-    # than items can exist: (B * Hkv pairs) x (chunks of BN keys), or target + one per pair (see kernel),
-    # but for those that prefetch.
+    # than items can exist: (B * Hkv pairs) x (chunks of BN keys), or target + one per pair (see kernel).
     target = cfg["programs_per_sm"] * num_sms(q.device)
     n_prog = min(B * Hkv + target, B * Hkv * triton.cdiv(L, cfg["BN"]))
-    if prefetch is not None:  # programs that can have no item, so that some are always idle to prefetch
-        n_prog += cfg.get("prefetch_programs", num_sms(q.device))
     hpk = H // Hkv
     if tickets is None:
         tickets = torch.zeros(B * Hkv, dtype=torch.int32, device=q.device)
@@ -326,17 +297,13 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, ticket
     po = empty((n_prog * hpk, D), torch.float32, q.device)
     plse = empty((n_prog * hpk,), torch.float32, q.device)
     o = empty((B, H, 1, D), q.dtype, q.device)
-    wo = prefetch if prefetch is not None else q
-    if prefetch is not None:
-        assert wo.shape[1] == H * D and wo.stride(1) == 1, "prefetch: O's weight [N, H * head_dim], rows contiguous"
     _attn_decode_kernel[(n_prog + B,)](
         q, k_cache, v_cache, head_mask.contiguous().view(torch.uint8), kv_len.to(device=q.device, dtype=torch.int32),
         po, plse, tickets, o, B, G, n_prog, target,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
-        (1.0 / math.sqrt(D)) * 1.4426950408889634, wo, wo.stride(0), wo.shape[0], HKV=Hkv, HPK=hpk, HPG=H // G,
+        (1.0 / math.sqrt(D)) * 1.4426950408889634, HKV=Hkv, HPK=hpk, HPG=H // G,
         H2=triton.next_power_of_2(H), BJ=max(2, triton.next_power_of_2(B * Hkv)),
         BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"], D=D,
-        IEEE=q.dtype == torch.float32, PF=H // G * D * wo.element_size() if prefetch is not None else 0,
-        GO=max(2, triton.next_power_of_2(G)), RB=cfg.get("prefetch_rows", 32), PFA=cfg.get("prefetch_after", 0), **launch_args(cfg), **pdl_args(q.device))
+        IEEE=q.dtype == torch.float32, **launch_args(cfg), **pdl_args(q.device))
     return o

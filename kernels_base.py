@@ -195,25 +195,6 @@ def prior_done(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-# An L2 prefetch is an instruction only the GPU has; under the interpreter it is a load of the same bytes (the
-# values unused), so the load recorder sees what a prefetch would fetch.
-_PREFETCH_AS_LOAD = tl.constexpr(INTERPRET)
-
-
-@triton.jit
-def prefetch_l2(ptrs, on, NBYTES: tl.constexpr):
-    """Ask L2 for the NBYTES from each of ptrs where on (a hint: nothing is waited for, the program goes on).
-    NBYTES a multiple of 16 and ptrs 16-byte aligned: Hopper's bulk prefetch, one instruction per segment."""
-    if _PREFETCH_AS_LOAD:
-        seg = tl.arange(0, NBYTES * 8 // ptrs.dtype.element_ty.primitive_bitwidth)
-        tl.load(tl.expand_dims(ptrs, 2) + seg[None, None, :], mask=tl.expand_dims(on, 2))
-    else:
-        flag = on.to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $1, 0; @p cp.async.bulk.prefetch.L2.global [$2], $3; mov.u32 $0, 0; }",
-            "=r,r,l,r", [flag, ptrs, flag * 0 + NBYTES], dtype=tl.int32, is_pure=False, pack=1)
-
-
 # wide.Router's decision, shared by the two kernels that make it (norm_route's last program; with
 # norm_route_deferred, the decode GEMV's programs), so that both apply it in the same order of operations.
 @triton.jit

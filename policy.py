@@ -65,10 +65,6 @@ KINDS = {
     "rope": "RoPE + KV-cache write (rope_and_store)",
     "decode_live": "per row, only the KV heads whose head group runs are read (attn_decode's work list)",
     "decode_every": "each row's cache up to its length, every head (attn_decode's work list)",
-    "decode_live_prefetch_o": "per row, only the KV heads whose head group runs are read; its idle programs ask L2 "
-                              "for O's live columns",
-    "decode_every_prefetch_o": "each row's cache up to its length, every head; its idle programs ask L2 for O's "
-                               "columns",
     "decode_sdpa": "SDPA over the whole cache with a length mask",
     "prefill_live": "the live (group, query-tile) items only (attn_prefill over the layout)",
     "prefill_every": "attn_prefill with every head on (a chunk after the first)",
@@ -137,9 +133,6 @@ class Policy:
     # applies the rule in each of its programs (norm_route_deferred), so norm_route has no ticket and no last
     # program; False keeps the whole decision in norm_route (bench.e2e times both at batch 1).
     router_rule_in_gemv: bool = True
-    # Decode steps of at most this many tokens: decode attention, whose time there is latency, not bytes, asks L2
-    # for O's live weight columns as it runs, so gemm_k's O finds them there (0: never; bench.e2e times both).
-    prefetch_o_max_tokens: int = 1
     dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
     # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa" (with
     # the model's causal-mask rows, which rules out flash); the Triton kernel was the faster on the H200.
@@ -177,9 +170,6 @@ class Policy:
             ops["rope"] = Op("rope", "Triton", kernels=("rope_kernel",))
         ops["attention"] = attention
         ops["o"] = self.o_op(shape, attn_router, w)
-        if (attention.kind in ("decode_live", "decode_every") and ops["o"].kind.startswith("gemm_k")
-                and shape.tokens <= self.prefetch_o_max_tokens):
-            ops["attention"] = attention._replace(kind=attention.kind + "_prefetch_o")
         ops["ffn_norm"] = self.norm_op(shape, ffn_router)
         gate_up = self.gate_up_op(shape, ffn_router, w)
         if gate_up.kind == "tiles_fused":

@@ -70,16 +70,16 @@ def test_what_launches_is_exactly_what_the_plan_lists(name, launches, one_thread
     launched = Counter({k: len(v) for k, v in launches.grids.items()})
     assert launched == plan.launches(), f"{name}:\n{plan.text()}"
     kinds = {op.kind for op in plan.layers[0].values()}
-    expected = {"decode B1": {"gemv", "gemv_fused", "gemm_k", "decode_live_prefetch_o", "norm_route_deferred"},
+    expected = {"decode B1": {"gemv", "gemv_fused", "gemm_k", "decode_live", "norm_route_deferred"},
                 "decode B8": {"cublas_every_head", "cublas", "cublas_masked_input", "decode_live", "norm"},
                 "decode B8, FFN rule off": {"cublas_every_head", "cublas_masked", "cublas_masked_input", "decode_live"},
                 "decode B20, all sparse": {"layout", "tiles", "tiles_fused", "gemm_k", "decode_live"},
                 "prefill at the sorted-tile threshold": {"layout", "tiles", "tiles_fused", "prefill_live", "cublas_masked_input"},
                 "later chunk": {"prefill_every_zeroed", "cublas_every_head", "cublas_masked"},
-                "dense decode B1": {"gemv_all", "gemv_fused_all", "gemm_k_all", "decode_every_prefetch_o", "norm"},
+                "dense decode B1": {"gemv_all", "gemv_fused_all", "gemm_k_all", "decode_every", "norm"},
                 "dense decode B1, cuBLAS linears": {"cublas", "decode_every", "norm"},
                 "dense later chunk": {"cublas", "prefill_every"},
-                "fp8 decode B1": {"gemv", "gemv_fused", "gemm_k", "decode_live_prefetch_o"},
+                "fp8 decode B1": {"gemv", "gemv_fused", "gemm_k"},
                 "fp8 dense decode B8": {"norm_fp8", "cublas", "decode_every"},
                 "fp8 dense decode B8, WIDE kernels": {"gemv_all", "gemv_fused_all", "gemm_k_all", "decode_every"},
                 "fp8 prefill": {"cublas_every_head", "sdpa_causal_zeroed"}}[name]

@@ -29,8 +29,7 @@ What is pinned (GS = 16 channels per group; "live" = some token of the step, or 
       (b, KV head) are read up to the last active token of its query heads, and not at all if none is.
   attention_decode: K/V[b, KV head, pos] is read once if some query head of that KV head runs and
       pos < kv_len[b], else never; an inactive query head's q is never read; nothing is read before its PDL
-      wait (the wait replaced by a marker that splits each program's loads); its L2 prefetch of O's weight
-      asks for each column of a head group some row runs once per row of O, and for no other.
+      wait (the wait replaced by a marker that splits each program's loads).
   quantize_rows (an fp8 input for _scaled_mm, SwiGLU and the mask fused) and swiglu_rows (the same in the
       model dtype): a pruned channel's gate and up are never read.
   norm_route on a prefill chunk (nothing to skip, but D split over programs must not re-read): x and the
@@ -356,24 +355,6 @@ def test_decode_attention_never_reads_the_kv_cache_of_a_kv_head_whose_query_head
             f"{name}: each cached position of a running KV head exactly once, nothing else"
     q_read = rec.reads("_attn_decode_kernel", "q").sum(-1)[:, :, 0] > 0
     assert torch.equal(q_read, active), "an inactive query head's q is never read"
-
-
-@pytest.mark.parametrize("rows", [1, B], ids=["one row", "three rows"])
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("kind", KINDS)
-def test_decode_attention_prefetches_only_the_live_head_groups_columns_of_o(kind, fmt, rows):
-    # The idle programs ask L2 for O's weight columns of the head groups some row runs (under the interpreter
-    # the prefetch is a load of the same bytes): every row of O, each such group's columns once, no other group's.
-    L, kv_len, G = 40, torch.tensor([40, 17, 5])[:rows], 4
-    head_mask = step_mask(kind, rows, G, seed=5)
-    q, k, v = randn(rows, H, 1, D, seed=1), randn(rows, HKV, L, D, seed=2), randn(rows, HKV, L, D, seed=3)
-    wo = weight(fmt, 24, H * D)[0]
-    with recorded_loads() as rec:
-        out = kernels_attention.attention_decode(q, k, v, head_mask, kv_len, prefetch=wo)
-    torch.testing.assert_close(out, kernels_attention.attention_decode_ref(q, k, v, head_mask, kv_len))
-    live = head_mask.any(0).long()  # [G]: some row runs the group
-    assert torch.equal(rec.reads("_attn_decode_kernel", "wo"), live.repeat_interleave(H * D // G)[None, :].expand(24, -1)), \
-        "O's columns: each live group's once in every row, a group no row runs never"
 
 
 def test_decode_attention_reads_only_final_bytes_before_its_pdl_wait(monkeypatch):
