@@ -530,7 +530,8 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
         return out32.to(a.dtype) if residual is None else residual + out32.to(a.dtype)
     assert method in ("tile", "atomic"), "method must be 'tile' or 'atomic'"
     m = flat_mask(mask_or_layout).view(torch.uint8)
-    small = ("gemm_k_small_long_k" if K >= LONG_K else "gemm_k_small") + ("_fp8" if w_scale is not None else "")
+    small = ("gemm_k_small_long_k" if K >= LONG_K else "gemm_k_small_1" if M == 1 else "gemm_k_small") + \
+        ("_fp8" if w_scale is not None else "")
     cfg = config_for(small if M <= GEMV_MAX_TOKENS else "gemm_k", config)
     split = cfg.get("SPLIT", 1)
     BM = 1 if M == 1 and cfg.get("FMA") else cfg["BM"]  # FMA: one token as a one-row tile, no tl.dot

@@ -172,13 +172,13 @@ def test_tune_in_step_refuses_keys_it_cannot_time_in_a_step_in_one_line(capsys):
 
 
 def test_tune_in_step_times_each_variant_between_two_runs_of_the_current_configs(tmp_path):
-    data, md = smoke(tmp_path, "bench.tune", "--only", "gemm_k_small_fp8", "--in-step")
+    data, md = smoke(tmp_path, "bench.tune", "--only", "gemm_k_small_1_fp8", "--in-step")
     (r,) = data["results"].values()
     assert r["weights"] == "fp8" and r["step"] == [1, 24] and r["wide_ms"] > 0 and r["dense_ms"] > 0
     (v,) = r["variants"]  # --smoke: the first variant
     assert "failed" not in v and v["config"] != r["current"] and v["wide_ms"] > 0 and v["dense_ms"] > 0
     assert v["ratio"] == pytest.approx(v["wide_ms"] / v["wide_base_ms"])
-    assert "| gemm_k_small_fp8 | 1x24 | fp8 |" in md
+    assert "| gemm_k_small_1_fp8 | 1x24 | fp8 |" in md
 
 
 def test_configs_tried_reaches_every_launch_inside_the_block_and_restores_after():
@@ -223,19 +223,19 @@ def test_tune_times_the_prefill_router_d_split_pair_against_the_split_kernel_and
 
 def test_tune_sweeps_the_fp8_keys_on_fp8_weights_with_an_fma_variant(tmp_path):
     data, _ = smoke(tmp_path, "bench.tune", "--only", "fp8")
-    assert set(data["results"]) == {"gemv_mn_1_fused_fp8", "gemv_mn_1_fp8", "gemm_k_small_long_k_fp8", "gemm_k_small_fp8"}
+    assert set(data["results"]) == {"gemv_mn_1_fused_fp8", "gemv_mn_1_fp8", "gemm_k_small_long_k_fp8", "gemm_k_small_1_fp8"}
     for key, r in data["results"].items():
         assert all("failed" not in v and v["rel_err"] <= 1e-2 for v in r["variants"]), key  # checked on fp8 codes
-    assert any(v["config"].get("FMA") for v in data["results"]["gemm_k_small_fp8"]["variants"])
+    assert any(v["config"].get("FMA") for v in data["results"]["gemm_k_small_1_fp8"]["variants"])
 
 
 def test_tune_having_keeps_the_current_config_and_only_the_variants_that_set_the_name(tmp_path):
-    data, _ = smoke(tmp_path, "bench.tune", "--only", "gemv_mn_1_fp8,gemm_k_small_fp8", "--having", "DOT,FMA")
+    data, _ = smoke(tmp_path, "bench.tune", "--only", "gemv_mn_1_fp8,gemm_k_small_1_fp8", "--having", "DOT,FMA")
     r = data["results"]["gemv_mn_1_fp8"]
     first, last = r["variants"]  # --smoke: the first and the last of the kept ones (DOT's are not the sweep's last)
     assert first["config"] == r["current"] and "DOT" not in r["current"]
     assert last["config"].get("DOT") and "failed" not in last and last["rel_err"] <= 1e-2
-    assert data["results"]["gemm_k_small_fp8"]["variants"][-1]["config"].get("FMA")  # either name kept
+    assert data["results"]["gemm_k_small_1_fp8"]["variants"][-1]["config"].get("FMA")  # either name kept
 
 
 def test_e2e_rows_carry_dense_bandwidth_and_the_byte_limit(e2e_run):

@@ -213,7 +213,8 @@ def test_fp8_gemm_k_matches_the_dequantized_twin_with_the_residual(launches, M, 
     assert torch.count_nonzero(tickets) == 0, "the split leaves its tickets at zero"
     assert launches.count("gemm_k_kernel") == 1
     (consts,) = launches.constants["gemm_k_kernel"]  # one token with FMA: a one-row tile, no tl.dot
-    small = ("gemm_k_small_long_k" if G * gs >= kernels_base.LONG_K else "gemm_k_small") + "_fp8"  # as gemm_k picks
+    small = ("gemm_k_small_long_k" if G * gs >= kernels_base.LONG_K else "gemm_k_small_1" if M == 1
+             else "gemm_k_small") + "_fp8"  # as gemm_k picks
     assert consts["BM"] == (1 if fma and M == 1 else kernels_base.CONFIGS[small if M <= GEMV_MAX_TOKENS else "gemm_k"]["BM"])
 
 

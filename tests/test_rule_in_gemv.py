@@ -115,7 +115,7 @@ def test_down_never_prefetches_a_live_list_the_gate_up_gemv_just_wrote(launches)
     a, w = torch.randn(1, G * GS), torch.randn(D, G * GS)
     mask = torch.tensor([[True, False, True, False]])
     live = kernels_step.live_ref(mask)
-    with kernels_base.configs_tried({"gemm_k_small": dict(PREFETCH=True), "gemm_k_small_long_k": dict(PREFETCH=True)}):
+    with kernels_base.configs_tried({key: dict(PREFETCH=True) for key in ("gemm_k_small_1", "gemm_k_small_long_k")}):
         for fresh in (False, True):
             out = kernels.gemm_k(a, w, mask, GS, live=live, live_fresh=fresh)
             assert torch.allclose(out, kernels.gemm_k_ref(a, w, mask, GS), atol=1e-4)
