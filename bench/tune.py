@@ -7,7 +7,7 @@ live and 50% skipped) and timed as bench/ops.py times that op (decode-sized ops 
     python -m bench.tune --only fp8,gemm_k_small   # ... "fp8" or "gemm_k_small"
     python -m bench.tune --only gemv_mn_1 --having PIPE   # ... and of their variants only those with PIPE
     python -m bench.tune --only gemv_mn_1,gemm_k_small --having PIPE,FMA   # ... any of the names
-    python -m bench.tune --only gemm_k_small_1 --in-step --out results/kernels_h100_tune_o1   # judged in the step
+    python -m bench.tune --only gemm_k_small_1 --in-step --out results/kernels_h100_tune_o1_all   # judged in the step
     TRITON_INTERPRET=1 python -m bench.tune --smoke   # each key's first and last variant on the CPU (CI)
 
 The variants are passed to the ops as config= (CONFIGS itself is never rewritten); a key's first row is
@@ -37,6 +37,7 @@ def tune_table(s):
              for bn, bk, split in ((16, 128, 4), (32, 128, 8), (64, 128, 8), (32, 256, 4), (16, 512, 8))]]
     # ... and without the split (no partials, no ticket): narrow tiles, as many programs as the split's
     fma1 = [v(4, 4, BM=16, BN=bn, BK=bk, SPLIT=1, FMA=True, PIPE=4) for bn, bk in ((4, 512), (8, 256), (8, 512), (16, 256))]
+    fma1 += [v(4, 4, BM=16, BN=4, BK=1024, SPLIT=1, FMA=True, PIPE=4), v(4, 4, BM=16, BN=8, BK=512, SPLIT=2, FMA=True, PIPE=4)]
     # One token on the 16-row tensor-core tile (config DOT): the codes as f16, the products on tensor cores
     dot = [v(4, 1, BN=16, BK=256, programs_per_sm=2, DOT=True), v(4, 1, BN=32, BK=256, programs_per_sm=2, DOT=True),
            v(4, 1, BN=16, BK=512, programs_per_sm=2, DOT=True), v(4, 1, BN=64, BK=128, programs_per_sm=2, DOT=True),
@@ -72,7 +73,7 @@ def tune_table(s):
                                                    v(4, 1, BN=8, BK=1024, programs_per_sm=2), *pipe_one]),
         "gemm_k_small_long_k": (lambda: case_k(s, 1, FFN, s.ffn_gs, "down"), [
             v(4, 6, BM=16, BN=64, BK=128, SPLIT=8), v(4, 4, BM=16, BN=128, BK=128, SPLIT=8),
-            v(4, 6, BM=16, BN=64, BK=64, SPLIT=8), v(4, 6, BM=16, BN=128, BK=128, SPLIT=4), *fma,
+            v(4, 6, BM=16, BN=64, BK=64, SPLIT=8), v(4, 6, BM=16, BN=128, BK=128, SPLIT=4), *fma, *fma1,
             pre("gemm_k_small_long_k")]),
         "gemm_k_small_1": (lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj"), [
             v(4, 6, BM=16, BN=64, BK=128, SPLIT=4), v(4, 6, BM=16, BN=32, BK=128, SPLIT=2),
@@ -95,7 +96,7 @@ def tune_table(s):
             v(4, 6, BM=16, BN=64, BK=128, SPLIT=4), v(4, 6, BM=16, BN=64, BK=128, SPLIT=4, F16=2),
             v(4, 6, BM=16, BN=64, BK=128, SPLIT=8), v(4, 4, BM=16, BN=128, BK=128, SPLIT=16, F16=2),
             v(4, 4, BM=16, BN=256, BK=128, SPLIT=16, F16=2), v(8, 4, BM=16, BN=256, BK=128, SPLIT=8, F16=2),
-            pre("gemm_k_small_long_k_fp8"), *fma]),
+            pre("gemm_k_small_long_k_fp8"), *fma, *fma1]),
         "gemm_k_small_1_fp8": (lambda: case_k(s, 1, s.H * s.HD, s.attn_gs, "o_proj", fp8=True), [
             v(4, 6, BM=16, BN=32, BK=128, SPLIT=4), *fma1,
             v(4, 6, BM=16, BN=32, BK=128, SPLIT=2), v(4, 6, BM=16, BN=32, BK=128, SPLIT=4, F16=0),
