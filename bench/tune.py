@@ -35,7 +35,7 @@ def tune_table(s):
            v(8, 3, BM=16, BN=32, BK=128, SPLIT=4, FMA=True),
            *[v(4, 4, BM=16, BN=bn, BK=bk, SPLIT=split, FMA=True, PIPE=4)
              for bn, bk, split in ((16, 128, 4), (32, 128, 8), (64, 128, 8), (32, 256, 4), (16, 512, 8))]]
-    # ... and without the split (no partials, no ticket): narrow tiles, as many programs as the split's
+    # ... and without the split (no partials, no ticket), or a smaller one: a program per few output rows
     fma1 = [v(4, 4, BM=16, BN=bn, BK=bk, SPLIT=1, FMA=True, PIPE=4) for bn, bk in ((4, 512), (8, 256), (8, 512), (16, 256))]
     fma1 += [v(4, 4, BM=16, BN=4, BK=1024, SPLIT=1, FMA=True, PIPE=4), v(4, 4, BM=16, BN=8, BK=512, SPLIT=2, FMA=True, PIPE=4)]
     # One token on the 16-row tensor-core tile (config DOT): the codes as f16, the products on tensor cores

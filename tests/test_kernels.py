@@ -221,6 +221,33 @@ def test_decode_gemm_k_with_a_long_reduction_splits_the_live_groups(launches):
     assert grid[1] == kernels_base.CONFIGS["gemm_k_small_long_k"]["SPLIT"] > 1, grid
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16 weights", "fp8 codes"])
+@pytest.mark.parametrize("p_on", [0.0, 0.5, 1.0])
+def test_one_token_gemm_k_with_a_short_reduction_takes_no_split_and_no_ticket(launches, p_on, fp8):
+    # O's shape class at one token (K < LONG_K): its own CONFIGS key, a program per few output rows over all the
+    # live groups as one-row FMAs: no partials, no ticket; a token of 2+ keeps the split tile (gemm_k_small).
+    gen = torch.Generator().manual_seed(13)
+    K, N = 3 * 16, 40
+    assert K < kernels_base.LONG_K
+    a, w, res = randn(1, K, gen=gen), randn(N, K, gen=gen), randn(1, N, gen=gen)
+    scale = None
+    if fp8:
+        w, scale = kernels.quantize_fp8(w)
+    mask = make_mask((1, K // 16), p_on, gen)
+    garbage = a.masked_fill(~mask.repeat_interleave(16, 1), float("nan"))
+    tickets = torch.full((64,), 7, dtype=torch.int32, device=DEV)  # never touched without the split
+    out = kernels.gemm_k(garbage, w, mask, 16, residual=res, tickets=tickets, w_scale=scale)
+    assert_close(out, kernels.gemm_k_ref(a, w, mask, 16, residual=res, w_scale=scale))
+    assert (tickets == 7).all()
+    key = "gemm_k_small_1" + ("_fp8" if fp8 else "")
+    (grid,), (consts,) = launches.grids["gemm_k_kernel"], launches.constants["gemm_k_kernel"]
+    assert grid[1] == 1 and consts["SPLIT"] == 1 and consts["BM"] == 1 and consts["BN"] == kernels_base.CONFIGS[key]["BN"]
+    launches.clear()
+    kernels.gemm_k(randn(2, K, gen=gen), w, make_mask((2, K // 16), p_on, gen), 16, w_scale=scale)
+    (grid,) = launches.grids["gemm_k_kernel"]
+    assert grid[1] == kernels_base.CONFIGS["gemm_k_small" + ("_fp8" if fp8 else "")]["SPLIT"] > 1
+
+
 @pytest.mark.parametrize("M, K", [(1, 24 * 16), (3, 64 * 16), (21, 24 * 16)])  # split, split, plain
 def test_gemm_k_adds_the_residual_in_its_epilogue_and_leaves_its_tickets_at_zero(M, K):
     gen = torch.Generator().manual_seed(12 + M)
