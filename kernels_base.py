@@ -33,10 +33,10 @@ CONFIGS = {
     "gemv_mn_1_fused_fp8": dict(BN=16, BK=512, programs_per_sm=2, PIPE=4, num_warps=4, num_stages=4),
     "gemv_mn_1_fp8": dict(BN=8, BK=1024, num_warps=4, num_stages=1, programs_per_sm=4),
     "gemm_k": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
-    # Decode O projection (K = 4096, 8 groups), 2 to 16 tokens: split over 4 programs too. One token (the _1 keys): no split, so
-    # no partials and no ticket, but a program per 4 output rows, one-row FMAs (config FMA) with 4 slices in flight
-    # (PIPE); judged in the step (bench.tune --in-step), where the split lost for O and won for down (long K):
-    # results/kernels_h100_tune_o1_all.md, kernels_h100_tune_down1.md.
+    # Decode O projection (K = 4096, 8 groups), 2 to 16 tokens: split over 4 programs too. One token (the _1
+    # keys): no split, so no partials and no ticket, but a program per 4 output rows, one-row FMAs (config FMA)
+    # with 4 slices in flight (PIPE); judged in the step (bench.tune --in-step), where the split lost for O and
+    # won for down (long K): results/kernels_h100_tune_o1_all.md, kernels_h100_tune_down1.md.
     "gemm_k_small": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=6, SPLIT=4),
     "gemm_k_small_1": dict(BM=16, BN=4, BK=512, SPLIT=1, FMA=True, PIPE=4, num_warps=4, num_stages=4),
     "gemm_k_small_1_fp8": dict(BM=16, BN=4, BK=512, SPLIT=1, FMA=True, PIPE=4, num_warps=4, num_stages=4),
