@@ -44,3 +44,19 @@ def test_lab_without_a_gpu_stops_in_one_line():
     r = subprocess.run([sys.executable, "-m", "research.gemv_lab"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0 and r.stderr.strip().count("\n") == 0 and "TRITON_INTERPRET=1" in r.stderr
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="--smoke runs the kernels in the interpreter")
+def test_gemv_paths_checks_every_path_against_its_twin_and_writes_its_table(tmp_path):
+    from research import gemv_paths
+    out = str(tmp_path / "paths")
+    rows = gemv_paths.main(["--smoke", "--out", out])
+    names = [r["path"] for r in rows]
+    assert names[:5] == ["dense tail, every row", "dense tail, half the rows", "mask, every group",
+                         "mask, half the groups, contiguous", "mask, half the groups at random"]
+    assert names[5].startswith("mask made in the GEMV") and names[6].startswith("the same mask, given")
+    assert rows[1]["MB"] == pytest.approx(rows[0]["MB"] / 2) == pytest.approx(rows[4]["MB"])  # equal bytes
+    assert all(r["rel_err"] <= 1e-2 for r in rows) and 0 < rows[5]["live_groups"] < rows[2]["live_groups"]
+    data = json.load(open(out + ".json"))
+    assert data["meta"]["command"] == "python -m research.gemv_paths --smoke --out " + out
+    assert open(out + ".md").read() == gemv_paths.markdown(data["meta"], data["rows"])
