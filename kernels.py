@@ -365,7 +365,9 @@ def _gemm_k_kernel(a, w, ws, out, res, part, tickets, mask, live, live_list, M, 
     host leaves PREFETCH off there), and a kernel that starts early always finds the one before its predecessor
     finished (kernels_base.prior_done). PIPE > 0: the K loop keeps PIPE
     slices in flight through shared memory (for the one-row FMA tile, which has no tl.dot for the compiler to
-    pipeline by itself). PDL: see kernels_base.prior_done. Twin: gemm_k_ref.
+    pipeline by itself). PDL: see kernels_base.prior_done (config EARLY_NEXT: the next kernel, e.g. the norm
+    whose router weights it loads before its own wait, may launch once these programs have passed theirs).
+    Twin: gemm_k_ref.
     """
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
@@ -556,5 +558,5 @@ def gemm_k(a, w, mask_or_layout, group_size, method="tile", config=None, residua
                          F16=0 if w_scale is None else min(cfg.get("F16", 1), 1 if ieee else 2),
                          HAS_LIVE=live is not None,
                          PREFETCH=bool(cfg.get("PREFETCH")) and live is not None and not live_fresh,
-                         PIPE=cfg.get("PIPE", 0), **launch_args(cfg), **pdl_args(a.device))
+                         PIPE=cfg.get("PIPE", 0), **launch_args(cfg), **pdl_args(a.device, cfg.get("EARLY_NEXT", False)))
     return out

@@ -163,10 +163,12 @@ def _sm90(index):
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_args(device):
-    """The launch keywords of a kernel that takes PDL: its PDL constexpr and Triton's launch_pdl."""
+def pdl_args(device, early=False):
+    """The launch keywords of a kernel that takes PDL: its PDL constexpr and Triton's launch_pdl. early: this one
+    launch lets the next kernel launch once its programs have passed their wait, whatever WIDE_PDL says (a
+    config's choice, e.g. gemm_k's EARLY_NEXT; "0" still turns PDL off)."""
     mode = pdl(device)
-    return dict(PDL=mode, launch_pdl=mode > 0)
+    return dict(PDL=PDL_MODES["early"] if early and mode else mode, launch_pdl=mode > 0)
 
 
 @contextlib.contextmanager

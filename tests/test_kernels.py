@@ -248,6 +248,20 @@ def test_one_token_gemm_k_with_a_short_reduction_takes_no_split_and_no_ticket(la
     assert grid[1] == kernels_base.CONFIGS["gemm_k_small" + ("_fp8" if fp8 else "")]["SPLIT"] > 1
 
 
+def test_gemm_k_early_next_lets_only_its_own_launch_release_the_next_kernel_early(launches, monkeypatch):
+    # Config EARLY_NEXT (a bench.tune variant): this launch's programs let the next kernel launch once they have
+    # passed their PDL wait (PDL mode 2), whatever the global mode; with PDL off it stays off.
+    launches.dry = True  # the launch keywords are the point; nothing runs
+    a, w, mask = randn(1, 48), randn(40, 48), torch.ones(1, 3, dtype=torch.bool, device=DEV)
+    monkeypatch.setattr(kernels_base, "pdl", lambda device: 1)  # a Hopper GPU in the default "exit" mode
+    kernels.gemm_k(a, w, mask, 16)
+    kernels.gemm_k(a, w, mask, 16, config={"EARLY_NEXT": True})
+    assert [(c["PDL"], c["launch_pdl"]) for c in launches.constants["gemm_k_kernel"]] == [(1, True), (2, True)]
+    monkeypatch.setattr(kernels_base, "pdl", lambda device: 0)  # WIDE_PDL=0, or no Hopper
+    kernels.gemm_k(a, w, mask, 16, config={"EARLY_NEXT": True})
+    assert (launches.constants["gemm_k_kernel"][-1]["PDL"], launches.constants["gemm_k_kernel"][-1]["launch_pdl"]) == (0, False)
+
+
 @pytest.mark.parametrize("M, K", [(1, 24 * 16), (3, 64 * 16), (21, 24 * 16)])  # split, split, plain
 def test_gemm_k_adds_the_residual_in_its_epilogue_and_leaves_its_tickets_at_zero(M, K):
     gen = torch.Generator().manual_seed(12 + M)
