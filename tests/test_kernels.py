@@ -241,7 +241,8 @@ def test_one_token_gemm_k_with_a_short_reduction_takes_no_split_and_no_ticket(la
     assert (tickets == 7).all()
     key = "gemm_k_small_1" + ("_fp8" if fp8 else "")
     (grid,), (consts,) = launches.grids["gemm_k_kernel"], launches.constants["gemm_k_kernel"]
-    assert grid[1] == 1 and consts["SPLIT"] == 1 and consts["BM"] == 1 and consts["BN"] == kernels_base.CONFIGS[key]["BN"]
+    assert grid[1] == 1 and consts["SPLIT"] == 1 and consts["BM"] == 1
+    assert consts["BN"] == kernels_base.CONFIGS[key]["BN"]
     launches.clear()
     kernels.gemm_k(randn(2, K, gen=gen), w, make_mask((2, K // 16), p_on, gen), 16, w_scale=scale)
     (grid,) = launches.grids["gemm_k_kernel"]
@@ -259,7 +260,8 @@ def test_gemm_k_early_next_lets_only_its_own_launch_release_the_next_kernel_earl
     assert [(c["PDL"], c["launch_pdl"]) for c in launches.constants["gemm_k_kernel"]] == [(1, True), (2, True)]
     monkeypatch.setattr(kernels_base, "pdl", lambda device: 0)  # WIDE_PDL=0, or no Hopper
     kernels.gemm_k(a, w, mask, 16, config={"EARLY_NEXT": True})
-    assert (launches.constants["gemm_k_kernel"][-1]["PDL"], launches.constants["gemm_k_kernel"][-1]["launch_pdl"]) == (0, False)
+    last = launches.constants["gemm_k_kernel"][-1]
+    assert (last["PDL"], last["launch_pdl"]) == (0, False)
 
 
 @pytest.mark.parametrize("M, K", [(1, 24 * 16), (3, 64 * 16), (21, 24 * 16)])  # split, split, plain
