@@ -431,6 +431,12 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
     prior_done(PDL)
     t = tile * BT + tl.arange(0, BT)
     tok = t < M
+    # This program's slice of h, loaded and stored before the pass over D: its round trip overlaps the
+    # pass's loads instead of following the reductions.
+    ok_c, offs_c = tok[:, None] & cok[None, :], t[:, None].to(tl.int64) * D + c[None, :]
+    hv_c = _residual_add(x, res, offs_c, ok_c, HAS_RES)
+    if HAS_RES:
+        tl.store(h_out + offs_c, hv_c, mask=ok_c)
     acc = tl.zeros([BT, RB, BK], tl.float32)
     ss = tl.zeros([BT], tl.float32)
     for k0 in range(0, D, BK):
@@ -446,14 +452,10 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
         acc += hf[:, None, :] * w[None, :, :]
     zt = tl.sum(acc, 2) + bias[None, :]
     tl.store(z + t[:, None] * R + r[None, :], zt, mask=tok[:, None] & (r < R)[None, :])
-    # h and RMSNorm(h) for this program's slice of CW columns (every program has its tokens' sums of
-    # squares), so the write-out is spread over the grid instead of one program's serial loop.
-    ok, offs = tok[:, None] & cok[None, :], t[:, None].to(tl.int64) * D + c[None, :]
-    hv = _residual_add(x, res, offs, ok, HAS_RES)
-    if HAS_RES:
-        tl.store(h_out + offs, hv, mask=ok)
-    n = (hv.to(tl.float32) * tl.rsqrt(ss / D + eps)[:, None]).to(hv.dtype)
-    tl.store(y + offs, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok)
+    # RMSNorm(h) for this program's slice of CW columns (every program has its tokens' sums of squares),
+    # so the write-out is spread over the grid instead of one program's serial loop.
+    n = (hv_c.to(tl.float32) * tl.rsqrt(ss / D + eps)[:, None]).to(hv_c.dtype)
+    tl.store(y + offs_c, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok_c)
     if DECIDE:  # (not: the decode GEMV after this launch decides, kernels_step.norm_route_deferred)
         tl.debug_barrier()  # every thread's z is stored before the ticket is taken (release)
         if tl.atomic_add(tickets + tile, 1) == tl.num_programs(0) - 1:  # the tile's last program: its z is complete
