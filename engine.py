@@ -30,7 +30,7 @@ from kernels_base import INTERPRET, pow2_divisor
 from kernels_layout import layout
 from dial import CALIB_SEED, CALIB_WINDOWS
 from kernels_step import (norm_route, norm_route_deferred, quantize_rows, quantize_rows_ref, rms_norm, rope_and_store,
-                          rule_rows, swiglu_rows)
+                          swiglu_rows)
 from policy import GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE, Plan, Policy, Shape
 from wide import shared_by_vote
 
@@ -159,18 +159,18 @@ class Engine:
         self.model, self.config, self.policy = model, model.config, policy or Policy()
         with torch.no_grad():
             self.fused = {id(layer): fuse_weights(layer) for layer in model.layers}  # -> (wqkv, wgu)
-            # fp8: each prunable weight once as (e4m3 codes, fp32 scale per output channel), read instead of it
+            # fp8: each prunable weight once as (e4m3 codes, fp32 scale per output channel). The model's
+            # own weights stay as they are; the engine never reads them for these linears again.
             self.weights, self.fp8 = weights, {}
             if weights == "fp8":
                 self.fp8 = {id(layer): dict(qkv=kernels.quantize_fp8(wqkv), gu=kernels.quantize_fp8(wgu),
                                             o=kernels.quantize_fp8(layer.self_attn.o_proj.weight),
                                             down=kernels.quantize_fp8(layer.mlp.down_proj.weight))
                             for layer in model.layers for wqkv, wgu in [self.fused[id(layer)]]}
-            self.rules = {id(r): rule_rows(r) for l in model.layers for r in (l.attn_router, l.ffn_router)
-                          if router_kind(r) == "wide"}  # the routers' second Linears folded for their rule
         device = model.embed_tokens.weight.device
-        # Zeroed counters the kernels take tickets from and leave zero again (norm_route's token tiles, gemm_k's
-        # split, decode attention's merge); kernels on one stream run one after another, so one buffer serves all.
+        # Zeroed counters the kernels take tickets from and leave zero again (norm_route's token tiles,
+        # gemm_k's split, decode attention's merge); kernels on one stream run one after another, so one
+        # buffer serves them all.
         self.tickets = torch.zeros(4096, dtype=torch.int32, device=device)
         self.plans = {}  # (Shape, routers) -> Plan: a step's plan is computed once per shape
         self.constant_masks = {}  # (M, G) -> an all-True mask, for the dense model's ops through WIDE's kernels
@@ -286,14 +286,13 @@ class Engine:
                 masks.setdefault(kind, []).append(x.new_ones(*x.shape[:-1], router.n_groups, dtype=torch.float32))
             return rms_norm(x, norm, residual, fp8=op.kind == "norm_fp8"), None, None, None
         if op.kind == "norm_route_deferred":  # one token: the mask's buffers, which the GEMV after it fills
-            normed, decision = norm_route_deferred(x, norm, router, residual, self.tickets, self.rules[id(router)])
+            normed, decision = norm_route_deferred(x, norm, router, residual, self.tickets)
             keep, keepf, live = decision[:3]
         elif op.kind == "norm_route":
             pol = self.policy  # decode-sized steps keep NORM_ROUTE_TILE: one tile gives the live list
             tile = pol.router_split_tile if x.shape[0] * x.shape[1] > NORM_ROUTE_SPLIT_MAX_TOKENS else NORM_ROUTE_TILE
-            normed, keep, keepf, live = norm_route(x, norm, router, residual, self.tickets, tile_tokens=tile,
-                                                   split_max_tokens=pol.router_split_max_tokens,
-                                                   rule=self.rules[id(router)])
+            normed, keep, keepf, live = norm_route(x, norm, router, residual, self.tickets,
+                                                   split_max_tokens=pol.router_split_max_tokens, tile_tokens=tile)
         else:  # "norm_then_router"
             normed = rms_norm(x, norm, residual)
             keepf = router(x if residual is None else normed[0])  # at inference exactly 0 or 1
@@ -387,7 +386,8 @@ class Engine:
             y = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T], is_causal=True, enable_gqa=Hkv != H)
         else:  # "sdpa_rows": rows S.. of the model's causal mask say which cached keys the chunk sees
             y = F.scaled_dot_product_attention(q, kc[:, :, :S + T], vc[:, :, :S + T],
-                                               attn_mask=self.model.causal_mask[S:S + T, :S + T], enable_gqa=Hkv != H)
+                                               attn_mask=self.model.causal_mask[S:S + T, :S + T],
+                                               enable_gqa=Hkv != H)
         y = y.transpose(1, 2)  # [B, T, H, d], laid out for O by the copy below
         if zeroed:  # the same copy zeroes the pruned heads: [B, T, G groups, H / G heads, d]
             y = torch.where(head_mask.view(B, T, -1, 1, 1), y.view(B, T, head_mask.shape[-1], -1, d), 0)

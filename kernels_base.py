@@ -205,21 +205,20 @@ def prior_done(PDL: tl.constexpr):
 
 
 # wide.Router's decision, shared by the two kernels that make it (norm_route's last program; with
-# norm_route_deferred, the decode GEMV's programs), so that both apply it in the same order of operations. Both
-# read the second Linear folded (kernels_step.rule_rows): skip iff z_skip > z_exec, i.e. iff
-# z @ (w_skip - w_exec) + (b_skip - b_exec) > 0, one row per group, so each program loads half the bytes and
-# makes one sum instead of two (every program of the decode GEMV loads them).
+# norm_route_deferred, the decode GEMV's programs), so that both apply it in the same order of operations.
 @triton.jit
-def router_rule_rows(rw, rb, g, G, rr, R):
-    # The folded rows [len(g), len(rr)] and biases [len(g)]: weights, so loadable before a PDL wait
-    rows = tl.load(rw + g[:, None] * R + rr[None, :], mask=(g < G)[:, None] & (rr < R)[None, :], other=0.0)
-    return rows, tl.load(rb + g, mask=g < G, other=0.0)
+def router_second_linear(wu, bu, g, G, rr, R):
+    # The second Linear's (execute, skip) rows [len(g), len(rr)] and biases: weights, so loadable before a PDL wait
+    wm = (g < G)[:, None] & (rr < R)[None, :]
+    w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+    w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+    return w_exec, w_skip, tl.load(bu + 2 * g, mask=g < G, other=0.0), tl.load(bu + 2 * g + 1, mask=g < G, other=0.0)
 
 
 @triton.jit
-def router_rule(zr, rows, b):
-    # One token's groups from its first-Linear outputs zr [1, R]: run iff z_skip - z_exec <= 0 (a tie executes)
-    return tl.sum(rows * zr, 1) + b <= 0.0
+def router_rule(zr, w_exec, w_skip, b_exec, b_skip):
+    # One token's groups from its first-Linear outputs zr [1, R]: skip iff z_skip > z_exec (a tie executes)
+    return tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels_base import (codes_f32, config_for, empty, launch_args, num_sms, pdl_args, pow2_divisor, prior_done,
-                          router_rule, router_rule_rows, store_live)
+                          router_rule, router_second_linear, store_live)
 from policy import GEMV_MAX_TOKENS
 
 
@@ -144,20 +144,20 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
     once per chunk rather than every step, so registers no longer cap the bytes in flight. PDL: see
     kernels_base.prior_done (the mask is the previous kernel's). DECIDE (one token, after
     kernels_step.norm_route_deferred): the mask is made here from the router's first Linear z (rw, rb: its second
-    Linear folded, kernels_step.rule_rows, loaded before the wait; the rule of wide.Router, as norm_route applies
-    it), in every program, which spares norm_route its ticket and last program; the first program writes it (mask,
-    keepf) and the live list for the kernels after this one. Twin: kernels.gemm_mn_ref (the mask: kernels_step.route_ref).
+    Linear, loaded before the wait; the rule of wide.Router, as norm_route applies it), in every program, which
+    spares norm_route its ticket and last program; the first program writes it (mask, keepf) and the live list for
+    the kernels after this one. Twin: kernels.gemm_mn_ref (the mask: kernels_step.route_ref).
     """
     gg = tl.arange(0, GP)
-    if DECIDE:  # the rule's rows (the router's second Linear folded): weights, so before the wait
+    if DECIDE:  # the router's second Linear: weights, so before the wait
         rr = tl.arange(0, RP)
-        rows, b_rule = router_rule_rows(rw, rb, gg, G, rr, R)  # [GP, RP], [GP]
+        w_exec, w_skip, b_exec, b_skip = router_second_linear(rw, rb, gg, G, rr, R)  # [GP, RP], [GP]
     prior_done(PDL)
     pid, P = tl.program_id(0), tl.num_programs(0)
     t = tl.arange(0, BT)
     if DECIDE:
         zr = tl.load(z + rr, mask=rr < R, other=0.0)[None, :]
-        run = (router_rule(zr, rows, b_rule) & (gg < G)).to(tl.int32)  # as norm_route decides
+        run = (router_rule(zr, w_exec, w_skip, b_exec, b_skip) & (gg < G)).to(tl.int32)  # as norm_route decides
         bits = run[None, :]  # [1, GP]
         if pid == 0:
             tl.store(mask + gg, run.to(tl.uint8), mask=gg < G)
@@ -272,7 +272,7 @@ def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope
     cos, sin, slot = (rope.cos, rope.sin, rope.slot) if rope is not None else (x, x, x)
     dec = decision
     if dec is not None:
-        assert M == 1 and dec.keep.numel() == G and dec.w.shape == (G, dec.z.shape[-1]), "decision: one token's, G groups"
+        assert M == 1 and dec.keep.numel() == G and dec.w.shape[0] == 2 * G, "decision: one token's, G groups"
         assert dec.keep.data_ptr() == mask.data_ptr(), "decision: the mask is its keep"
     _gemv_mn_kernel[(P,)](x, w, w_up, ws, wus, out, mask, live_list,
                           M, N, K, G, GE, x.stride(0), w.stride(0), out.stride(0),

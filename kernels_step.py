@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kernels import FP8, Fp8Rows, quantize_fp8
 from kernels_base import (INTERPRET, check_device, config_for, empty, launch_args, pdl_args, prior_done, router_rule,
-                          router_rule_rows, store_live)
+                          router_second_linear, store_live)
 from model import apply_rope
 from policy import NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE
 
@@ -278,7 +278,7 @@ def norm_route_ref(x, norm, router, residual=None):
 
 
 def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=None, config=None,
-               split_max_tokens=NORM_ROUTE_SPLIT_MAX_TOKENS, tile_tokens=NORM_ROUTE_TILE, rule=None):
+               split_max_tokens=NORM_ROUTE_SPLIT_MAX_TOKENS, tile_tokens=NORM_ROUTE_TILE):
     """The start of a sublayer for the tokens of a step: h = residual + x (if given), RMSNorm(h), and the
     wide.Router decision on the raw h. Returns (normed, keep bool, keep float, live) with
     normed = norm(x), or (h, norm(h)) with a residual; masks [B, T, G]. live: the step's live list, int32
@@ -290,14 +290,11 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
     Linear (every rank, so the router's weights are read once per tile), then each (tile, D-slice) adds the
     slices up in a fixed order and writes its RMSNorm(h), and one more program per tile applies the rule.
     tickets: int32 zeros, one per tile of tile_tokens tokens (a power of two; the kernel leaves them zero, so a
-    CUDA graph can replay it; launches on one stream run one after another, so an engine needs one buffer).
-    rule: rule_rows(router), if already folded."""
+    CUDA graph can replay it; launches on one stream run one after another, so an engine needs one buffer)."""
     check_device(x)
     B, T, D = x.shape
     M = B * T
-    # A fold made here is written by the launch just before: no PDL for the kernel that loads it before its wait
-    pdl = pdl_args(x.device) if rule is not None else dict(PDL=0, launch_pdl=False)
-    down, rule = router.down, rule or rule_rows(router)
+    down, up = router.down, router.up
     G, R = router.n_groups, down.out_features
     x2 = x.reshape(M, D).contiguous()
     res = residual.reshape(M, D).contiguous() if residual is not None else x2
@@ -318,42 +315,33 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
             RP=RP, PREC=prec, **launch_args(cfg), **pdl_args(x.device))
         # the finish only streams h into y (and one program per tile the rule): its own column step and warps
         _norm_route_finish_kernel[(n_tiles, S + 1)](
-            h if residual is not None else x2, y, norm.weight, norm.eps, down.bias, *rule, part_ss,
+            h if residual is not None else x2, y, norm.weight, norm.eps, down.bias, up.weight, up.bias, part_ss,
             part_z, keep, keepf, M, D, R, G, S, BT=BT, BK=cfg["FINISH_BK"], DS=DS, RP=RP,
             BG=max(16, triton.next_power_of_2(G)), PREC=prec, num_warps=cfg["finish_warps"], **pdl_args(x.device))
         normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
         return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), None
     normed, z, live = _norm_route_split(x, norm, router, residual, tickets, ranks_per_program, x2, res, y, h, keep,
-                                        keepf, tile_tokens, True, rule, pdl)
+                                        keepf, tile_tokens, True)
     return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), live
 
 
 class Decision(NamedTuple):
     """A one-token router decision that norm_route_deferred left to the kernel reading the mask: the router's
-    first Linear (z, fp32) is written; that kernel (the decode GEMV, kernels_gemv) applies the rule (w, b: the
-    second Linear folded, rule_rows) in every program and writes keep, keepf and live from its first, before any
-    later kernel reads them (they are the buffers norm_route would have filled)."""
+    first Linear (z, fp32) is written; that kernel (the decode GEMV, kernels_gemv) applies the second Linear (w, b)
+    and the rule in every program and writes keep, keepf and live from its first, before any later kernel reads
+    them (they are the buffers norm_route would have filled)."""
     keep: torch.Tensor   # bool [1, 1, G]
     keepf: torch.Tensor  # float [1, 1, G]
     live: torch.Tensor   # int32 [1 + G]
     z: torch.Tensor      # fp32 [1, R]
-    w: torch.Tensor      # fp32 [G, R]: w_skip - w_exec per group (rule_rows)
-    b: torch.Tensor      # fp32 [G]: b_skip - b_exec
+    w: torch.Tensor      # router.up.weight [2G, R]: (execute, skip) rows per group
+    b: torch.Tensor      # router.up.bias [2G]
 
 
-def rule_rows(router):
-    """wide.Router's second Linear folded for its rule: (w_skip - w_exec [G, R], b_skip - b_exec [G]), fp32 and
-    contiguous, so a group skips iff z @ w[g] + b[g] > 0, the decision z_skip > z_exec (a tie executes). The
-    kernels that decide read these; an engine folds each router once, when it is built."""
-    w, b = router.up.weight.detach().float(), router.up.bias.detach().float()  # (execute, skip) rows per group
-    return (w[1::2] - w[0::2]).contiguous(), (b[1::2] - b[0::2]).contiguous()
-
-
-def norm_route_deferred(x, norm, router, residual=None, tickets=None, rule=None):
+def norm_route_deferred(x, norm, router, residual=None, tickets=None):
     """norm_route for one token without the decision: the residual add, the RMSNorm and the router's first
     Linear, so the launch has no ticket and no last program; (normed, Decision) for the decode GEMV to finish.
-    The deferred rule is wide.Router's, so the masks and the live list are norm_route's. rule: rule_rows(router),
-    if already folded."""
+    The deferred rule is wide.Router's, so the masks and the live list are norm_route's."""
     B, T, D = x.shape
     assert B * T == 1, "norm_route_deferred: one token (a decode step of one row)"
     G = router.n_groups
@@ -362,18 +350,18 @@ def norm_route_deferred(x, norm, router, residual=None, tickets=None, rule=None)
     y = empty((1, D), x.dtype, x.device)
     h = empty((1, D), x.dtype, x.device) if residual is not None else y
     keep, keepf = empty((1, G), torch.uint8, x.device), empty((1, G), torch.float32, x.device)
-    rule = rule or rule_rows(router)
     normed, z, live = _norm_route_split(x, norm, router, residual, tickets, None, x2, res, y, h, keep, keepf,
-                                        NORM_ROUTE_TILE, False, rule, pdl_args(x.device))
-    return normed, Decision(keep.view(torch.bool).view(1, 1, G), keepf.view(1, 1, G), live, z, *rule)
+                                        NORM_ROUTE_TILE, False)
+    return normed, Decision(keep.view(torch.bool).view(1, 1, G), keepf.view(1, 1, G), live, z,
+                            router.up.weight.contiguous(), router.up.bias.contiguous())
 
 
 def _norm_route_split(x, norm, router, residual, tickets, ranks_per_program, x2, res, y, h, keep, keepf, tile_tokens,
-                      decide, rule, pdl):
+                      decide):
     # norm_route's one launch for a decode step: the router's ranks split over programs -> (normed, z, live)
     B, T, D = x.shape
     M = B * T
-    down = router.down
+    down, up = router.down, router.up
     G, R = router.n_groups, down.out_features
     z = empty((M, R), torch.float32, x.device)  # the first Linear's outputs, handed to each tile's last program
     live = empty((1 + G,), torch.int32, x.device)
@@ -390,10 +378,10 @@ def _norm_route_split(x, norm, router, residual, tickets, ranks_per_program, x2,
     CW = triton.cdiv(D, P)  # the columns of h / RMSNorm(h) each program writes
     BK = min(triton.next_power_of_2(D), max(16, 8192 // BT))
     _norm_route_kernel[(P, n_tiles)](
-        x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, z, *rule, keep, keepf, live, tickets,
+        x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, z, up.weight, up.bias, keep, keepf, live, tickets,
         M, D, R, G, CW, HAS_RES=residual is not None, LIVE=n_tiles == 1, BT=BT, RB=RB,
         BK=BK, RP=RP, BG=BG, CWP=triton.next_power_of_2(CW), ONE_PASS=BK >= D, DECIDE=decide,
-        num_warps=8, **pdl)  # wide chunks: the loop over D is latency-bound, so few long iterations
+        num_warps=8, **pdl_args(x.device))  # wide chunks: the loop over D is latency-bound, so few long iterations
     normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
     return normed, z, live if n_tiles == 1 else None
 
@@ -408,7 +396,7 @@ def _residual_add(x, res, offs, ok, HAS_RES: tl.constexpr):
 
 
 @triton.jit
-def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, rw, rb, keep, keepf, live, tickets, M, D, R, G,
+def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, live, tickets, M, D, R, G,
                        CW, HAS_RES: tl.constexpr, LIVE: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
                        BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr, CWP: tl.constexpr, ONE_PASS: tl.constexpr,
                        DECIDE: tl.constexpr, PDL: tl.constexpr):
@@ -417,8 +405,8 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, rw, rb, keep, keepf
     Every program forms h = res + x for its tile's tokens (rounded to the model dtype as `x + a` is) and
     the router's first Linear for its RB ranks, z = h @ wd[r] + bd[r] in fp32, and writes h and RMSNorm(h)
     for its share of the columns. The last of a tile's programs to take the tile's ticket (the others' z
-    are then visible) applies the rule of wide.Router (its second Linear folded, rule_rows), token by token:
-    skip iff z_skip > z_exec, a tie executes; with one tile for the whole step (LIVE) it also writes the step's live
+    are then visible) applies the second Linear and the rule of wide.Router, token by token: skip iff
+    z_skip > z_exec, a tie executes; with one tile for the whole step (LIVE) it also writes the step's live
     list (the groups some token runs, ascending, after their count; then the others). It resets the
     ticket. Deterministic: each z is one program's fixed-order sum, and one program does the rest of a
     token. Under PDL the router's weights (nothing a kernel writes) are loaded before the wait, so their
@@ -434,12 +422,12 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, rw, rb, keep, keepf
     c = pid * CW + tl.arange(0, CWP)  # the columns of h and RMSNorm(h) this program writes
     cok = (c < D) & (c < pid * CW + CW)
     wt = tl.load(nw + c, mask=cok, other=0.0)
-    # The rule's rows (the second Linear folded), loaded by every program: whichever program is last then has
-    # them at hand instead of starting a dependent load.
+    # The second Linear's weights, loaded by every program: whichever program is last then has them at
+    # hand instead of starting a dependent load.
     g = tl.arange(0, BG)
     rr = tl.arange(0, RP)
     if DECIDE:
-        rows, b_rule = router_rule_rows(rw, rb, g, G, rr, R)  # [BG, RP], [BG]
+        w_exec, w_skip, b_exec, b_skip = router_second_linear(wu, bu, g, G, rr, R)  # [BG, RP], [BG]
     prior_done(PDL)
     t = tile * BT + tl.arange(0, BT)
     tok = t < M
@@ -475,7 +463,7 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, rw, rb, keep, keepf
             any_run = tl.zeros([BG], tl.int32)
             for m in range(tile * BT, tl.minimum(tile * BT + BT, M)):
                 zr = tl.load(z + m * R + rr, mask=rr < R, other=0.0, cache_modifier=".cg")[None, :]
-                run = router_rule(zr, rows, b_rule)
+                run = router_rule(zr, w_exec, w_skip, b_exec, b_skip)
                 tl.store(keep + m * G + g, run.to(tl.uint8), mask=g < G)
                 tl.store(keepf + m * G + g, run.to(tl.float32), mask=g < G)
                 any_run = any_run | run.to(tl.int32)
@@ -519,15 +507,15 @@ def _norm_route_part_kernel(x, res, h_out, wd, part_ss, part_z, M, D, R, HAS_RES
 
 
 @triton.jit(do_not_specialize=["M"])  # chunk lengths: see engine.warm_chunks
-def _norm_route_finish_kernel(h, y, nw, eps, bd, rw, rb, part_ss, part_z, keep, keepf, M, D, R, G, S,
+def _norm_route_finish_kernel(h, y, nw, eps, bd, wu, bu, part_ss, part_z, keep, keepf, M, D, R, G, S,
                               BT: tl.constexpr, BK: tl.constexpr, DS: tl.constexpr, RP: tl.constexpr,
                               BG: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     """A prefill chunk's norm + router, second half. Grid (cdiv(M, BT), S + 1) for the first half's S slices.
 
     Program (tile, s < S) adds its tokens' S partial sums of squares up in slice order and writes RMSNorm(h)
     for D-slice s (h as the first half wrote it, or x without a residual; rounded as the norm kernel does).
-    Program (tile, S) adds the partial first Linear up in slice order, adds its bias, and applies wide.Router's
-    rule (skip iff z_skip > z_exec; a tie executes; the second Linear folded, rule_rows) to the tile: a program of its
+    Program (tile, S) adds the partial first Linear up in slice order, adds its bias, and applies the second
+    Linear and wide.Router's rule (skip iff z_skip > z_exec; a tie executes) to the tile: a program of its
     own, so the rule's dependent loads and dots run beside the slices' write-out, not after one of them.
     Deterministic: fixed-order sums, no atomics, every output written by one program. Skips nothing.
     Twin: norm_route_ref."""
@@ -554,9 +542,14 @@ def _norm_route_finish_kernel(h, y, nw, eps, bd, rw, rb, part_ss, part_z, keep, 
         for i in range(0, S):
             z += tl.load(part_z + (i * M + t)[:, None] * RP + rr[None, :], mask=tok[:, None], other=0.0)
         z += tl.load(bd + rr, mask=rr < R, other=0.0)[None, :]
-        rows, b_rule = router_rule_rows(rw, rb, g, G, rr, R)  # [BG, RP], [BG]: the second Linear folded
-        gap = tl.dot(z, tl.trans(rows), input_precision=PREC) + b_rule[None, :]  # z_skip - z_exec
-        run = gap <= 0.0  # a tie executes
+        wm = (g < G)[:, None] & (rr < R)[None, :]
+        w_exec = tl.load(wu + (2 * g)[:, None] * R + rr[None, :], mask=wm, other=0.0)  # [BG, RP]
+        w_skip = tl.load(wu + (2 * g + 1)[:, None] * R + rr[None, :], mask=wm, other=0.0)
+        z_exec = tl.dot(z, tl.trans(w_exec), input_precision=PREC) + tl.load(bu + 2 * g, mask=g < G,
+                                                                             other=0.0)[None, :]
+        z_skip = tl.dot(z, tl.trans(w_skip), input_precision=PREC) + tl.load(bu + 2 * g + 1, mask=g < G,
+                                                                             other=0.0)[None, :]
+        run = z_skip <= z_exec  # a tie executes
         km = tok[:, None] & (g < G)[None, :]
         tl.store(keep + t[:, None] * G + g[None, :], run.to(tl.uint8), mask=km)
         tl.store(keepf + t[:, None] * G + g[None, :], run.to(tl.float32), mask=km)

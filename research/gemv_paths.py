@@ -55,7 +55,7 @@ def paths(D, I, GS, dev):
         z = router.down(h)
     keep = torch.zeros(1, 1, G, dtype=torch.bool, device=dev)
     keepf, live = torch.zeros(1, 1, G, device=dev), torch.zeros(1 + G, dtype=torch.int32, device=dev)
-    dec = kernels_step.Decision(keep, keepf, live, z, *kernels_step.rule_rows(router))
+    dec = kernels_step.Decision(keep, keepf, live, z, router.up.weight.detach(), router.up.bias.detach())
     rule = kernels_step.route_ref(router, h)[0]  # [1, G]
     n = int(rule.sum())
     half = G // 2

@@ -23,7 +23,7 @@ def pdl_kernels():
 
 # What a kernel may read before its wait: weights, which no kernel of a step writes (the router's, the norm's),
 # and gemm_k's live list, which norm_route wrote two or more launches before (see _gemm_k_kernel: PREFETCH).
-READ_BEFORE_WAIT = {"_norm_route_kernel": {"wd", "bd", "rw", "rb", "nw"}, "_gemm_k_kernel": {"w", "swn", "live"},
+READ_BEFORE_WAIT = {"_norm_route_kernel": {"wd", "bd", "wu", "bu", "nw"}, "_gemm_k_kernel": {"w", "swn", "live"},
                     "_gemv_mn_kernel": {"rw", "rb"}}
 
 
@@ -83,9 +83,9 @@ def test_every_kernel_that_takes_pdl_waits_before_its_first_load_or_store():
                     formed.update({t.id: names(v) for t, v in pairs if isinstance(t, ast.Name)})
                 for call in (n for n in ast.walk(stmt) if isinstance(n, ast.Call)):
                     name = getattr(call.func, "attr", None) or getattr(call.func, "id", None)
-                    if name in ("load", "router_rule_rows"):
-                        # the pointer arguments the address is formed from (upper-case ones are sizes); the rule's
-                        # rows (kernels_base) load from its first two arguments
+                    if name in ("load", "router_second_linear"):
+                        # the pointer arguments the address is formed from (upper-case ones are sizes); the router's
+                        # second Linear (kernels_base) loads from its first two arguments
                         read = set().union(*[names(a) for a in call.args[:1 if name == "load" else 2]]) & params
                         assert read and all(n in allowed or n.isupper() for n in read), \
                             f"{where} loads from {sorted(read)} before prior_done(PDL)"
