@@ -222,6 +222,20 @@ def router_rule(zr, w_exec, w_skip, b_exec, b_skip):
 
 
 @triton.jit
+def handed_over(handover, n, P):
+    # A one-token norm -> decode GEMV hand-over (kernels_step.norm_route_deferred(handover=)): the GEMV, launched
+    # while the norm still runs, waits until the norm's programs have counted its n router ranks done on
+    # handover[0] (each after its stores, with release semantics), then acquires; the last of its P programs past
+    # the wait (a ticket on handover[1]) leaves both counters zero for the next step.
+    while tl.load(handover, volatile=True) < n:
+        pass
+    tl.atomic_add(handover, 0, sem="acquire")
+    if tl.atomic_add(handover + 1, 1) == P - 1:
+        tl.atomic_xchg(handover + 1, 0)
+        tl.atomic_xchg(handover, 0)
+
+
+@triton.jit
 def store_live(live, on, g, G):
     # The live list of a decision (on: int32, 1 where some token runs group g): the number of such groups, those
     # groups ascending, then the others ascending

@@ -82,7 +82,7 @@ def gemv_args(cfg, fused, fp8, rope):
                 GP=triton.next_power_of_2(G + GE), BT=1, BN=kernels_base.pow2_divisor(gs, cfg["BN"]), BK=cfg["BK"],
                 FUSED=fused, FP8=fp8, IEEE=False, HALF=HD // 2 if rope else 0, EVICT=cfg.get("evict", ""),
                 PIPE=cfg.get("PIPE", 0), z="*fp32", rw="*fp32", rb="*fp32", keepf="*fp32", live="*i32", R=32,
-                DECIDE=True, RP=32, PDL=1)  # a one-token step: the GEMV applies the router's rule (its R = 32 ranks)
+                DECIDE=True, RP=32, PDL=1, handover="*i32", HANDOVER=0)  # one token: the GEMV applies the rule (R = 32)
 
 
 def attention_args(cfg):

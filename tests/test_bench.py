@@ -254,7 +254,8 @@ def test_e2e_rows_carry_dense_bandwidth_and_the_byte_limit(e2e_run):
                                                 else {"triton", "sdpa"})  # (no 'PDL off' without PDL)
         assert set(r["masks"]) == {"attn_skip", "ffn_skip", "attn_union_live", "ffn_union_live"}
     assert set(next(r for r in decode if r["batch"] == 6)["wide_ms_by_policy"]) == {"default", "all sparse"}
-    assert set(next(r for r in decode if r["batch"] == 1)["wide_ms_by_policy"]) == {"default", "rule in norm_route"}
+    assert set(next(r for r in decode if r["batch"] == 1)["wide_ms_by_policy"]) == {"default", "rule in norm_route",
+                                                                                 "norm handover"}
 
 
 def test_e2e_compares_the_dense_engine_with_torch_compile_once(e2e_run):
