@@ -230,6 +230,7 @@ def handed_over(handover, n, P):
     while tl.load(handover, volatile=True) < n:
         pass
     tl.atomic_add(handover, 0, sem="acquire")
+    tl.debug_barrier()  # the acquire orders this program's later loads in every thread, not only the one that did it
     if tl.atomic_add(handover + 1, 1) == P - 1:
         tl.atomic_xchg(handover + 1, 0)
         tl.atomic_xchg(handover, 0)
