@@ -56,6 +56,10 @@ def tune_table(s):
             v(4, 3, BN=128, programs_per_sm=4), v(4, 2, BN=64, programs_per_sm=4, max_chunks=16),
             v(8, 2, BN=128, programs_per_sm=1), v(8, 2, BN=128, programs_per_sm=2), v(4, 2, BN=128, programs_per_sm=1),
             v(4, 2, BN=128, programs_per_sm=2), v(4, 3, BN=64, programs_per_sm=1), v(4, 3, BN=64, programs_per_sm=2)]
+    # merge_tile: the pair's last program loads all its partials in one round trip; shorter chunks then pay less
+    tile = lambda warps, bn, chunks, per_sm=4: v(warps, 2, BN=bn, programs_per_sm=per_sm, max_chunks=chunks, merge_tile=True)
+    attn += [tile(8, 128, 16), tile(4, 128, 16), tile(4, 64, 16), tile(8, 64, 16), tile(4, 32, 32), tile(4, 64, 32, 8),
+             tile(4, 32, 32, 8), tile(8, 32, 32, 8)]
     # PREFETCH: the current config with the first live slice's weights loaded before the PDL wait
     pre = lambda key: dict(kernels_base.CONFIGS[key], PREFETCH=True)
     # EARLY_NEXT: the current config letting the next kernel (a norm, which loads router weights before its wait)
