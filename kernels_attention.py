@@ -259,13 +259,13 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     if TILE:
         cc, r2 = tl.arange(0, MC), tl.arange(0, HP2)
         ok2 = (cc < items)[:, None] & (r2 < HPK)[None, :]  # [MC, HP2]
-        crow = (first + cc)[:, None] * HPK + r2[None, :]
-        lse = tl.load(plse + crow, mask=ok2, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(po + crow[:, :, None] * D + dd[None, None, :], mask=ok2[:, :, None], other=0.0,
+        trow = (first + cc)[:, None] * HPK + r2[None, :]
+        lse2 = tl.load(plse + trow, mask=ok2, other=float("-inf"), cache_modifier=".cg")
+        part2 = tl.load(po + trow[:, :, None] * D + dd[None, None, :], mask=ok2[:, :, None], other=0.0,
                        cache_modifier=".cg")
-        m2 = tl.max(lse, 0)
-        wgt = tl.where(ok2, tl.exp2(lse - tl.where(r2 < HPK, m2, 0.0)[None, :]), 0.0)
-        out = tl.sum(wgt[:, :, None] * part, 0) / tl.where(r2 < HPK, tl.sum(wgt, 0), 1.0)[:, None]
+        m2 = tl.max(lse2, 0)
+        w2 = tl.where(ok2, tl.exp2(lse2 - tl.where(r2 < HPK, m2, 0.0)[None, :]), 0.0)
+        out = tl.sum(w2[:, :, None] * part2, 0) / tl.where(r2 < HPK, tl.sum(w2, 0), 1.0)[:, None]
         head2 = hk * HPK + r2
         act2 = (r2 < HPK) & (tl.load(head_mask + b * G + head2 // HPG, mask=r2 < HPK, other=0) > 0)
         tl.store(o + b * sob + head2[:, None] * soh + dd[None, :], out.to(o.dtype.element_ty), mask=act2[:, None])

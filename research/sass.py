@@ -90,7 +90,8 @@ def attention_args(cfg):
                 tickets="*i32", o="*bf16", B=1, G=HKV, NP=2 * HKV, TARGET=cfg["programs_per_sm"] * 132,
                 sqb=H * HD, sqh=HD, skb=HKV * CTX * HD, skh=CTX * HD, skt=HD, svb=HKV * CTX * HD, svh=CTX * HD, svt=HD,
                 sob=H * HD, soh=HD, qk_scale=0.1275, HKV=HKV, HPK=H // HKV, HPG=H // HKV, H2=H, BJ=HKV,
-                BH=16, BN=cfg["BN"], MC=cfg["max_chunks"], D=HD, IEEE=False, PDL=1)
+                BH=16, BN=cfg["BN"], MC=cfg["max_chunks"], HP2=H // HKV, TILE=cfg.get("merge_tile", False), D=HD,
+                IEEE=False, PDL=1)
 
 
 def cases():
