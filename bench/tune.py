@@ -58,8 +58,8 @@ def tune_table(s):
             v(4, 2, BN=128, programs_per_sm=2), v(4, 3, BN=64, programs_per_sm=1), v(4, 3, BN=64, programs_per_sm=2)]
     # merge_tile: the pair's last program loads all its partials in one round trip; shorter chunks then pay less
     tile = lambda warps, bn, chunks, per_sm=4: v(warps, 2, BN=bn, programs_per_sm=per_sm, max_chunks=chunks, merge_tile=True)
-    attn += [tile(8, 128, 16), tile(4, 128, 16), tile(4, 64, 16), tile(8, 64, 16), tile(4, 32, 32), tile(4, 64, 32, 8),
-             tile(4, 32, 32, 8), tile(8, 32, 32, 8)]
+    attn += [tile(8, 128, 16), tile(8, 64, 16), tile(4, 64, 16), tile(8, 32, 32, 8), tile(4, 128, 16), tile(4, 32, 32),
+             tile(4, 64, 32, 8), tile(4, 32, 32, 8)]
     # PREFETCH: the current config with the first live slice's weights loaded before the PDL wait
     pre = lambda key: dict(kernels_base.CONFIGS[key], PREFETCH=True)
     # EARLY_NEXT: the current config letting the next kernel (a norm, which loads router weights before its wait)
@@ -250,7 +250,8 @@ def run_in_step(s, args, argv):
                                                  ratio=wide / ref))
             print(f"  {v}: WIDE {wide:.4f} ms ({wide / ref:.3f} of the current's {ref:.4f}), dense {dense:.4f}",
                   flush=True)
-        write_in_step(s, args, argv, results)  # after every key: a long sweep cut short keeps what it measured
+            write_in_step(s, args, argv, results)  # after every variant: a sweep cut short keeps what it measured
+        write_in_step(s, args, argv, results)
     return results
 
 
