@@ -153,7 +153,8 @@ def test_tune_times_each_config_passed_to_the_op(tmp_path):
         variants = r["variants"]
         assert len(variants) >= 2 and all("failed" not in v and v["ms"] > 0 and v["rel_err"] <= 1e-2 for v in variants)
         assert variants[0]["config"] == r["current"]  # today's CONFIGS entry first
-    assert data["results"]["attn_decode"]["variants"][-1]["config"]["BN"] == 64
+    last = data["results"]["attn_decode"]["variants"][-1]["config"]  # the table's last variant, not the current
+    assert last["BN"] == 32 and last["merge_tile"]
     assert "| attn_decode |" in md and data["meta"]["command"].startswith("python -m bench.tune")
 
 
