@@ -95,19 +95,26 @@ def attention_args(cfg):
 
 
 def cases():
-    """(name, CONFIGS key, kernel, arguments, weight codes one thread reads per loop step or None)"""
+    """(name, CONFIGS key, config, kernel, arguments, weight codes one thread reads per loop step or None); the
+    rows after each key's own are options that are off in CONFIGS and Policy (Policy.norm_handover, merge_tile)"""
     out = []
     for key, fp8 in (("gemv_mn_1_fused", False), ("gemv_mn_1_fused_fp8", True)):
         cfg = kernels_base.CONFIGS[key]
         per_thread = 2 * cfg["BN"] * cfg["BK"] // (32 * cfg["num_warps"])
-        out.append((f"gate+up, {'fp8' if fp8 else 'bf16'}", key, kernels_gemv.GEMV_KERNEL,
+        out.append((f"gate+up, {'fp8' if fp8 else 'bf16'}", key, cfg, kernels_gemv.GEMV_KERNEL,
                     gemv_args(cfg, True, fp8, False), per_thread))
+        # launched by the norm before it ends, waiting on its counter instead of PDL (kernels_base.handed_over)
+        out.append((f"gate+up, {'fp8' if fp8 else 'bf16'}, norm hand-over", key, cfg, kernels_gemv.GEMV_KERNEL,
+                    dict(gemv_args(cfg, True, fp8, False), HANDOVER=2, PDL=0), per_thread))
     for key, fp8 in (("gemv_mn_1", False), ("gemv_mn_1_fp8", True)):
         cfg = kernels_base.CONFIGS[key]
-        out.append((f"Q, K, V + RoPE, {'fp8' if fp8 else 'bf16'}", key, kernels_gemv.GEMV_KERNEL,
+        out.append((f"Q, K, V + RoPE, {'fp8' if fp8 else 'bf16'}", key, cfg, kernels_gemv.GEMV_KERNEL,
                     gemv_args(cfg, False, fp8, True), cfg["BN"] * cfg["BK"] // (32 * cfg["num_warps"])))
-    out.append(("decode attention", "attn_decode", kernels_attention.DECODE_KERNEL,
-                attention_args(kernels_base.CONFIGS["attn_decode"]), None))
+    cfg = kernels_base.CONFIGS["attn_decode"]
+    out.append(("decode attention", "attn_decode", cfg, kernels_attention.DECODE_KERNEL, attention_args(cfg), None))
+    tile = dict(cfg, merge_tile=True)
+    out.append(("decode attention, merge_tile", "attn_decode", tile, kernels_attention.DECODE_KERNEL,
+                attention_args(tile), None))
     return out
 
 
@@ -120,8 +127,7 @@ def main(argv=None):
         raise cli.UserError("research.sass builds the GPU kernels with their GPU sizes: run it without "
                             "TRITON_INTERPRET=1 (the interpreter's sizes replace them)")
     rows = []
-    for name, key, fn, kargs, per_thread in cases():
-        cfg = kernels_base.CONFIGS[key]
+    for name, key, cfg, fn, kargs, per_thread in cases():
         k = compile_sm90(fn, kargs, cfg["num_warps"], cfg["num_stages"])
         regs, ops = read_binary(k.asm["cubin"])
         threads = 32 * cfg["num_warps"]
