@@ -48,8 +48,9 @@ CONFIGS = {
     "gemm_k_atomic": dict(BN=128, BK=64, num_warps=8, num_stages=3),
     "attn_prefill": dict(BM=128, BN=64, num_warps=8, num_stages=3),
     # Decode attention: a work list of about programs_per_sm x SMs (row, KV head, chunk) items, at most
-    # max_chunks per (row, KV head), merged in turn: merging all chunks at once was slower (the merge's
-    # registers cost the whole kernel occupancy).
+    # max_chunks per (row, KV head), merged in turn: merging all chunks at once as the dot's padded rows was
+    # slower (the merge's registers cost the whole kernel occupancy); merge_tile (off until timed, results/README.md)
+    # loads them at once as only the KV head's query-head rows.
     "attn_decode": dict(BN=128, programs_per_sm=4, max_chunks=16, num_warps=8, num_stages=2),
     # A prefill chunk's norm + router (two launches): tiles of BT tokens, D in slices of DS columns, a program
     # per (tile, slice) in each launch. BK, num_warps, num_stages: the first half's (sums of squares and the
