@@ -168,10 +168,10 @@ class Engine:
                                             down=kernels.quantize_fp8(layer.mlp.down_proj.weight))
                             for layer in model.layers for wqkv, wgu in [self.fused[id(layer)]]}
         device = model.embed_tokens.weight.device
-        # Zeroed counters the kernels take tickets from and leave zero again (norm_route's token tiles, gemm_k's
-        # split, decode attention's merge; a one-token norm's hand-over to its GEMV: Policy.norm_handover).
+        # Zeroed counters the kernels take tickets from and leave zero again (norm_route's token tiles,
+        # gemm_k's split, decode attention's merge); kernels on one stream run one after another, so one
+        # buffer serves them all.
         self.tickets = torch.zeros(4096, dtype=torch.int32, device=device)
-        self.handover = torch.zeros(2, dtype=torch.int32, device=device) if self.policy.norm_handover else None
         self.plans = {}  # (Shape, routers) -> Plan: a step's plan is computed once per shape
         self.constant_masks = {}  # (M, G) -> an all-True mask, for the dense model's ops through WIDE's kernels
 
@@ -286,7 +286,7 @@ class Engine:
                 masks.setdefault(kind, []).append(x.new_ones(*x.shape[:-1], router.n_groups, dtype=torch.float32))
             return rms_norm(x, norm, residual, fp8=op.kind == "norm_fp8"), None, None, None
         if op.kind == "norm_route_deferred":  # one token: the mask's buffers, which the GEMV after it fills
-            normed, decision = norm_route_deferred(x, norm, router, residual, self.tickets, self.handover)
+            normed, decision = norm_route_deferred(x, norm, router, residual, self.tickets)
             keep, keepf, live = decision[:3]
         elif op.kind == "norm_route":
             pol = self.policy  # decode-sized steps keep NORM_ROUTE_TILE: one tile gives the live list

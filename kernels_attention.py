@@ -177,8 +177,7 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
                         sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
                         HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, H2: tl.constexpr,
                         BJ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, MC: tl.constexpr,
-                        HP2: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
-                        PDL: tl.constexpr):
+                        D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """Split-KV decode attention (one query token per row) over a work list of live items only.
 
     The work is a list of items (row b, KV head, chunk of that row's cached keys), built in every
@@ -191,9 +190,7 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     The merge is in the same launch: a pair cut into several chunks stores each chunk's normalised partial
     and log2-sum-exp, and the last of its programs to take the pair's ticket merges them (in chunk order,
     so the result does not depend on which finished last) and resets the ticket. At most MC chunks per pair
-    (longer chunks instead), so that merge stays short. TILE (config merge_tile): the merging program loads
-    all of the pair's partials at once, [MC, HPK, D] (HPK real rows, not the dot's BH), in one round trip to L2
-    instead of one per chunk, and reduces over the chunks in a fixed tree. PDL: see kernels_base.prior_done.
+    (longer chunks instead), so that merge stays short. PDL: see kernels_base.prior_done.
     Twin: attention_decode_ref.
     """
     prior_done(PDL)
@@ -256,20 +253,6 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     if tl.atomic_add(tickets + pj, 1) != items - 1:
         return
     tl.atomic_xchg(tickets + pj, 0)  # the pair's last program: reset the ticket, then merge
-    if TILE:
-        cc, r2 = tl.arange(0, MC), tl.arange(0, HP2)
-        ok2 = (cc < items)[:, None] & (r2 < HPK)[None, :]  # [MC, HP2]
-        trow = (first + cc)[:, None] * HPK + r2[None, :]
-        lse2 = tl.load(plse + trow, mask=ok2, other=float("-inf"), cache_modifier=".cg")
-        part2 = tl.load(po + trow[:, :, None] * D + dd[None, None, :], mask=ok2[:, :, None], other=0.0,
-                       cache_modifier=".cg")
-        m2 = tl.max(lse2, 0)
-        w2 = tl.where(ok2, tl.exp2(lse2 - tl.where(r2 < HPK, m2, 0.0)[None, :]), 0.0)
-        out = tl.sum(w2[:, :, None] * part2, 0) / tl.where(r2 < HPK, tl.sum(w2, 0), 1.0)[:, None]
-        head2 = hk * HPK + r2
-        act2 = (r2 < HPK) & (tl.load(head_mask + b * G + head2 // HPG, mask=r2 < HPK, other=0) > 0)
-        tl.store(o + b * sob + head2[:, None] * soh + dd[None, :], out.to(o.dtype.element_ty), mask=act2[:, None])
-        return
     m = tl.full([BH], float("-inf"), tl.float32)  # the pair's chunks in order, one partial at a time:
     l = tl.zeros([BH], tl.float32)                 # a merge over all MC at once would hold them all in
     acc = tl.zeros([BH, D], tl.float32)            # registers for the whole kernel and cost it occupancy
@@ -303,7 +286,6 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, ticket
     assert H % G == 0 and H % Hkv == 0, "head_mask must be [B, G] with G | H"
     assert D >= 16 and D == triton.next_power_of_2(D), "head dim must be a power of two >= 16"
     cfg = config_for("attn_decode", config)
-    assert not cfg.get("merge_tile") or cfg["max_chunks"] & (cfg["max_chunks"] - 1) == 0, "merge_tile: max_chunks a power of two"
     # About `target` items in a step (enough to fill the GPU a few times over); never more programs
     # than items can exist: (B * Hkv pairs) x (chunks of BN keys), or target + one per pair (see kernel).
     target = cfg["programs_per_sm"] * num_sms(q.device)
@@ -322,7 +304,6 @@ def attention_decode(q, k_cache, v_cache, head_mask, kv_len, config=None, ticket
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
         (1.0 / math.sqrt(D)) * 1.4426950408889634, HKV=Hkv, HPK=hpk, HPG=H // G,
         H2=triton.next_power_of_2(H), BJ=max(2, triton.next_power_of_2(B * Hkv)),
-        BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"],
-        HP2=max(2, triton.next_power_of_2(hpk)), TILE=cfg.get("merge_tile", False), D=D,
+        BH=max(16, triton.next_power_of_2(hpk)), BN=cfg["BN"], MC=cfg["max_chunks"], D=D,
         IEEE=q.dtype == torch.float32, **launch_args(cfg), **pdl_args(q.device))
     return o

@@ -48,9 +48,8 @@ CONFIGS = {
     "gemm_k_atomic": dict(BN=128, BK=64, num_warps=8, num_stages=3),
     "attn_prefill": dict(BM=128, BN=64, num_warps=8, num_stages=3),
     # Decode attention: a work list of about programs_per_sm x SMs (row, KV head, chunk) items, at most
-    # max_chunks per (row, KV head), merged in turn: merging all chunks at once as the dot's padded rows was
-    # slower (the merge's registers cost the whole kernel occupancy); merge_tile (off until timed, results/README.md)
-    # loads them at once as only the KV head's query-head rows.
+    # max_chunks per (row, KV head), merged in turn: merging all chunks at once was slower (the merge's
+    # registers cost the whole kernel occupancy).
     "attn_decode": dict(BN=128, programs_per_sm=4, max_chunks=16, num_warps=8, num_stages=2),
     # A prefill chunk's norm + router (two launches): tiles of BT tokens, D in slices of DS columns, a program
     # per (tile, slice) in each launch. BK, num_warps, num_stages: the first half's (sums of squares and the
@@ -220,21 +219,6 @@ def router_second_linear(wu, bu, g, G, rr, R):
 def router_rule(zr, w_exec, w_skip, b_exec, b_skip):
     # One token's groups from its first-Linear outputs zr [1, R]: skip iff z_skip > z_exec (a tie executes)
     return tl.sum(w_skip * zr, 1) + b_skip <= tl.sum(w_exec * zr, 1) + b_exec
-
-
-@triton.jit
-def handed_over(handover, n, P):
-    # A one-token norm -> decode GEMV hand-over (kernels_step.norm_route_deferred(handover=)): the GEMV, launched
-    # while the norm still runs, waits until the norm's programs have counted its n router ranks done on
-    # handover[0] (each after its stores, with release semantics), then acquires; the last of its P programs past
-    # the wait (a ticket on handover[1]) leaves both counters zero for the next step.
-    while tl.load(handover, volatile=True) < n:
-        pass
-    tl.atomic_add(handover, 0, sem="acquire")
-    tl.debug_barrier()  # the acquire orders this program's later loads in every thread, not only the one that did it
-    if tl.atomic_add(handover + 1, 1) == P - 1:
-        tl.atomic_xchg(handover + 1, 0)
-        tl.atomic_xchg(handover, 0)
 
 
 @triton.jit

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_base import (codes_f32, config_for, empty, handed_over, launch_args, num_sms, pdl_args, pow2_divisor,
-                          prior_done, router_rule, router_second_linear, store_live)
+from kernels_base import (codes_f32, config_for, empty, launch_args, num_sms, pdl_args, pow2_divisor, prior_done,
+                          router_rule, router_second_linear, store_live)
 from policy import GEMV_MAX_TOKENS
 
 
@@ -123,8 +123,8 @@ def _gemv_chunk_out(out, ws, wus, mask, res, res_up, t, g, n, M, G, som, k_dst, 
 
 @triton.jit
 def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, sxm, swn, som,
-                    cos, sin, slot, k_dst, v_dst, NQ, NK, T, sdb, sdh, sdt, z, rw, rb, keepf, live, R, handover,
-                    HANDOVER: tl.constexpr, GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                    cos, sin, slot, k_dst, v_dst, NQ, NK, T, sdb, sdh, sdt, z, rw, rb, keepf, live, R,
+                    GS: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, FUSED: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
                     HALF: tl.constexpr, EVICT: tl.constexpr, PIPE: tl.constexpr, DECIDE: tl.constexpr,
                     RP: tl.constexpr, PDL: tl.constexpr):
@@ -146,19 +146,14 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
     kernels_step.norm_route_deferred): the mask is made here from the router's first Linear z (rw, rb: its second
     Linear, loaded before the wait; the rule of wide.Router, as norm_route applies it), in every program, which
     spares norm_route its ticket and last program; the first program writes it (mask, keepf) and the live list for
-    the kernels after this one. HANDOVER (Policy.norm_handover, with DECIDE): launched while the norm still runs,
-    with PDL 0, the kernel waits instead on the counter the norm's programs bump after their stores
-    (kernels_base.handed_over), and under PDL (2) for the norm's grid at its end, so kernels after it see both
-    done. Twin: kernels.gemm_mn_ref (the mask: kernels_step.route_ref).
+    the kernels after this one. Twin: kernels.gemm_mn_ref (the mask: kernels_step.route_ref).
     """
     gg = tl.arange(0, GP)
     if DECIDE:  # the router's second Linear: weights, so before the wait
         rr = tl.arange(0, RP)
         w_exec, w_skip, b_exec, b_skip = router_second_linear(rw, rb, gg, G, rr, R)  # [GP, RP], [GP]
-    prior_done(PDL)  # (HANDOVER: PDL is 0; the wait is on `handover` below)
+    prior_done(PDL)
     pid, P = tl.program_id(0), tl.num_programs(0)
-    if HANDOVER > 0:
-        handed_over(handover, R, P)
     t = tl.arange(0, BT)
     if DECIDE:
         zr = tl.load(z + rr, mask=rr < R, other=0.0)[None, :]
@@ -230,8 +225,6 @@ def _gemv_mn_kernel(x, w, w_up, ws, wus, out, mask, live_list, M, N, K, G, GE, s
         n = _gemv_rows(tl.load(lst + n_live + c * BN // GS), c, GS, BN, HALF)
         tl.store(out + t[:, None] * som + n[None, :], tl.zeros([BT, BN], out.dtype.element_ty),
                  mask=(t < M)[:, None])
-    if HANDOVER > 1:  # launched under PDL: the norm's grid is done (and flushed) before ours, as kernels after expect
-        tl.extra.cuda.gdc_wait()
 
 
 class Rope(NamedTuple):
@@ -277,8 +270,7 @@ def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope
         assert BN >= 2 and kc.stride() == vc.stride() and kc.stride(-1) == 1, "RoPE pairs need 2 lanes a chunk"
         half, out = d // 2, empty((M, rope.n_q), x.dtype, x.device)
     cos, sin, slot = (rope.cos, rope.sin, rope.slot) if rope is not None else (x, x, x)
-    dec, pdl = decision, pdl_args(x.device)
-    handover = dec.handover if dec is not None else None  # (see kernels_step.norm_route_deferred)
+    dec = decision
     if dec is not None:
         assert M == 1 and dec.keep.numel() == G and dec.w.shape[0] == 2 * G, "decision: one token's, G groups"
         assert dec.keep.data_ptr() == mask.data_ptr(), "decision: the mask is its keep"
@@ -288,10 +280,10 @@ def gemv_mn(x, w, w_up, ws, wus, out, mask, group_size, G, GE, config=None, rope
                           rope.tokens_per_row if rope else 1, kc.stride(0), kc.stride(1) if rope else 0,
                           kc.stride(2) if rope else 0, *((dec.z, dec.w, dec.b, dec.keepf, dec.live, dec.z.shape[-1])
                                                          if dec is not None else (x, x, x, x, x, 0)),
-                          x if handover is None else handover, HANDOVER=0 if handover is None else 1 + (pdl["PDL"] > 0),
                           GS=group_size, GP=GP,
                           BT=BT, BN=BN, BK=cfg["BK"], FUSED=fused, FP8=fp8, IEEE=x.dtype == torch.float32,
                           HALF=half, EVICT=cfg.get("evict", ""), PIPE=cfg.get("PIPE", 0) if BT == 1 else 0,
                           DECIDE=dec is not None, RP=triton.next_power_of_2(dec.z.shape[-1]) if dec is not None else 1,
-                          **launch_args(cfg), **dict(pdl, PDL=0 if handover is not None else pdl["PDL"]))
+                          **launch_args(cfg),
+                          **pdl_args(x.device))
     return out

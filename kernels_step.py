@@ -13,7 +13,7 @@ The small fused kernels of an inference step (engine.py), each after its PyTorch
 They skip nothing; they exist so that a decode step is a short list of launches that a CUDA graph
 replays. Same contract as kernels.py: Triton on a GPU or under TRITON_INTERPRET=1, or a clear error.
 """
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -336,16 +336,12 @@ class Decision(NamedTuple):
     z: torch.Tensor      # fp32 [1, R]
     w: torch.Tensor      # router.up.weight [2G, R]: (execute, skip) rows per group
     b: torch.Tensor      # router.up.bias [2G]
-    handover: Optional[torch.Tensor] = None  # int32 [2] zeros: the norm's programs count their ranks done here
 
 
-def norm_route_deferred(x, norm, router, residual=None, tickets=None, handover=None, ranks_per_program=None):
+def norm_route_deferred(x, norm, router, residual=None, tickets=None):
     """norm_route for one token without the decision: the residual add, the RMSNorm and the router's first
     Linear, so the launch has no ticket and no last program; (normed, Decision) for the decode GEMV to finish.
-    The deferred rule is wide.Router's, so the masks and the live list are norm_route's. handover (int32 [2] zeros,
-    or None): the GEMV after this launch starts as soon as our programs have passed their PDL wait and waits on
-    this counter, which each of our programs bumps after its stores, instead of on our grid's exit and flush
-    (kernels_base.handed_over; the GEMV resets it)."""
+    The deferred rule is wide.Router's, so the masks and the live list are norm_route's."""
     B, T, D = x.shape
     assert B * T == 1, "norm_route_deferred: one token (a decode step of one row)"
     G = router.n_groups
@@ -354,14 +350,14 @@ def norm_route_deferred(x, norm, router, residual=None, tickets=None, handover=N
     y = empty((1, D), x.dtype, x.device)
     h = empty((1, D), x.dtype, x.device) if residual is not None else y
     keep, keepf = empty((1, G), torch.uint8, x.device), empty((1, G), torch.float32, x.device)
-    normed, z, live = _norm_route_split(x, norm, router, residual, tickets, ranks_per_program, x2, res, y, h, keep,
-                                        keepf, NORM_ROUTE_TILE, False, handover)
+    normed, z, live = _norm_route_split(x, norm, router, residual, tickets, None, x2, res, y, h, keep, keepf,
+                                        NORM_ROUTE_TILE, False)
     return normed, Decision(keep.view(torch.bool).view(1, 1, G), keepf.view(1, 1, G), live, z,
-                            router.up.weight.contiguous(), router.up.bias.contiguous(), handover)
+                            router.up.weight.contiguous(), router.up.bias.contiguous())
 
 
 def _norm_route_split(x, norm, router, residual, tickets, ranks_per_program, x2, res, y, h, keep, keepf, tile_tokens,
-                      decide, handover=None):
+                      decide):
     # norm_route's one launch for a decode step: the router's ranks split over programs -> (normed, z, live)
     B, T, D = x.shape
     M = B * T
@@ -383,11 +379,9 @@ def _norm_route_split(x, norm, router, residual, tickets, ranks_per_program, x2,
     BK = min(triton.next_power_of_2(D), max(16, 8192 // BT))
     _norm_route_kernel[(P, n_tiles)](
         x2, res, h, y, norm.weight, norm.eps, down.weight, down.bias, z, up.weight, up.bias, keep, keepf, live, tickets,
-        tickets if handover is None else handover, M, D, R, G, CW, HANDOVER=handover is not None,
-        HAS_RES=residual is not None, LIVE=n_tiles == 1, BT=BT, RB=RB, BK=BK, RP=RP, BG=BG,
-        CWP=triton.next_power_of_2(CW), ONE_PASS=BK >= D, DECIDE=decide,
-        num_warps=8,  # wide chunks: the loop over D is latency-bound, so few long iterations
-        **pdl_args(x.device, early=handover is not None))  # handover: the GEMV launches once we passed our wait
+        M, D, R, G, CW, HAS_RES=residual is not None, LIVE=n_tiles == 1, BT=BT, RB=RB,
+        BK=BK, RP=RP, BG=BG, CWP=triton.next_power_of_2(CW), ONE_PASS=BK >= D, DECIDE=decide,
+        num_warps=8, **pdl_args(x.device))  # wide chunks: the loop over D is latency-bound, so few long iterations
     normed = y.view(x.shape) if residual is None else (h.view(x.shape), y.view(x.shape))
     return normed, z, live if n_tiles == 1 else None
 
@@ -402,10 +396,10 @@ def _residual_add(x, res, offs, ok, HAS_RES: tl.constexpr):
 
 
 @triton.jit
-def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, live, tickets, handover, M, D, R,
-                       G, CW, HANDOVER: tl.constexpr, HAS_RES: tl.constexpr, LIVE: tl.constexpr, BT: tl.constexpr,
-                       RB: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr, CWP: tl.constexpr,
-                       ONE_PASS: tl.constexpr, DECIDE: tl.constexpr, PDL: tl.constexpr):
+def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf, live, tickets, M, D, R, G,
+                       CW, HAS_RES: tl.constexpr, LIVE: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr,
+                       BK: tl.constexpr, RP: tl.constexpr, BG: tl.constexpr, CWP: tl.constexpr, ONE_PASS: tl.constexpr,
+                       DECIDE: tl.constexpr, PDL: tl.constexpr):
     """Residual add + RMSNorm + router for a tile of BT tokens. Grid (cdiv(R, RB), token tiles).
 
     Every program forms h = res + x for its tile's tokens (rounded to the model dtype as `x + a` is) and
@@ -462,9 +456,6 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
     # so the write-out is spread over the grid instead of one program's serial loop.
     n = (hv_c.to(tl.float32) * tl.rsqrt(ss / D + eps)[:, None]).to(hv_c.dtype)
     tl.store(y + offs_c, (wt.to(tl.float32)[None, :] * n.to(tl.float32)).to(y.dtype.element_ty), mask=ok_c)
-    if HANDOVER:  # this program's ranks of z and columns of h and y are stored: count them done (release)
-        tl.debug_barrier()
-        tl.atomic_add(handover, tl.minimum(RB, R - pid * RB), sem="release")
     if DECIDE:  # (not: the decode GEMV after this launch decides, kernels_step.norm_route_deferred)
         tl.debug_barrier()  # every thread's z is stored before the ticket is taken (release)
         if tl.atomic_add(tickets + tile, 1) == tl.num_programs(0) - 1:  # the tile's last program: its z is complete

@@ -133,9 +133,6 @@ class Policy:
     # applies the rule in each of its programs (norm_route_deferred), so norm_route has no ticket and no last
     # program; False keeps the whole decision in norm_route (bench.e2e times both at batch 1).
     router_rule_in_gemv: bool = True
-    # ... and the GEMV launched while that norm still runs, waiting on a counter its programs bump after their
-    # stores rather than on its exit (kernels_base.handed_over); bench.e2e times it at batch 1.
-    norm_handover: bool = False
     dense_decode_attention: str = "triton"  # routers off: "triton" (reads each row's cache up to its length) or "sdpa"
     # Routers off, a prefill chunk after the first: "triton" (the prefill kernel, every head on) or "sdpa" (with
     # the model's causal-mask rows, which rules out flash); the Triton kernel was the faster on the H200.

@@ -82,7 +82,7 @@ def gemv_args(cfg, fused, fp8, rope):
                 GP=triton.next_power_of_2(G + GE), BT=1, BN=kernels_base.pow2_divisor(gs, cfg["BN"]), BK=cfg["BK"],
                 FUSED=fused, FP8=fp8, IEEE=False, HALF=HD // 2 if rope else 0, EVICT=cfg.get("evict", ""),
                 PIPE=cfg.get("PIPE", 0), z="*fp32", rw="*fp32", rb="*fp32", keepf="*fp32", live="*i32", R=32,
-                DECIDE=True, RP=32, PDL=1, handover="*i32", HANDOVER=0)  # one token: the GEMV applies the rule (R = 32)
+                DECIDE=True, RP=32, PDL=1)  # a one-token step: the GEMV applies the router's rule (its R = 32 ranks)
 
 
 def attention_args(cfg):
@@ -90,31 +90,23 @@ def attention_args(cfg):
                 tickets="*i32", o="*bf16", B=1, G=HKV, NP=2 * HKV, TARGET=cfg["programs_per_sm"] * 132,
                 sqb=H * HD, sqh=HD, skb=HKV * CTX * HD, skh=CTX * HD, skt=HD, svb=HKV * CTX * HD, svh=CTX * HD, svt=HD,
                 sob=H * HD, soh=HD, qk_scale=0.1275, HKV=HKV, HPK=H // HKV, HPG=H // HKV, H2=H, BJ=HKV,
-                BH=16, BN=cfg["BN"], MC=cfg["max_chunks"], HP2=H // HKV, TILE=cfg.get("merge_tile", False), D=HD,
-                IEEE=False, PDL=1)
+                BH=16, BN=cfg["BN"], MC=cfg["max_chunks"], D=HD, IEEE=False, PDL=1)
 
 
 def cases():
-    """(name, CONFIGS key, config, kernel, arguments, weight codes one thread reads per loop step or None); the
-    rows after each key's own are options that are off in CONFIGS and Policy (Policy.norm_handover, merge_tile)"""
+    """(name, CONFIGS key, kernel, arguments, weight codes one thread reads per loop step or None)"""
     out = []
     for key, fp8 in (("gemv_mn_1_fused", False), ("gemv_mn_1_fused_fp8", True)):
         cfg = kernels_base.CONFIGS[key]
         per_thread = 2 * cfg["BN"] * cfg["BK"] // (32 * cfg["num_warps"])
-        out.append((f"gate+up, {'fp8' if fp8 else 'bf16'}", key, cfg, kernels_gemv.GEMV_KERNEL,
+        out.append((f"gate+up, {'fp8' if fp8 else 'bf16'}", key, kernels_gemv.GEMV_KERNEL,
                     gemv_args(cfg, True, fp8, False), per_thread))
-        # launched by the norm before it ends, waiting on its counter instead of PDL (kernels_base.handed_over)
-        out.append((f"gate+up, {'fp8' if fp8 else 'bf16'}, norm hand-over", key, cfg, kernels_gemv.GEMV_KERNEL,
-                    dict(gemv_args(cfg, True, fp8, False), HANDOVER=2, PDL=0), per_thread))
     for key, fp8 in (("gemv_mn_1", False), ("gemv_mn_1_fp8", True)):
         cfg = kernels_base.CONFIGS[key]
-        out.append((f"Q, K, V + RoPE, {'fp8' if fp8 else 'bf16'}", key, cfg, kernels_gemv.GEMV_KERNEL,
+        out.append((f"Q, K, V + RoPE, {'fp8' if fp8 else 'bf16'}", key, kernels_gemv.GEMV_KERNEL,
                     gemv_args(cfg, False, fp8, True), cfg["BN"] * cfg["BK"] // (32 * cfg["num_warps"])))
-    cfg = kernels_base.CONFIGS["attn_decode"]
-    out.append(("decode attention", "attn_decode", cfg, kernels_attention.DECODE_KERNEL, attention_args(cfg), None))
-    tile = dict(cfg, merge_tile=True)
-    out.append(("decode attention, merge_tile", "attn_decode", tile, kernels_attention.DECODE_KERNEL,
-                attention_args(tile), None))
+    out.append(("decode attention", "attn_decode", kernels_attention.DECODE_KERNEL,
+                attention_args(kernels_base.CONFIGS["attn_decode"]), None))
     return out
 
 
@@ -127,7 +119,8 @@ def main(argv=None):
         raise cli.UserError("research.sass builds the GPU kernels with their GPU sizes: run it without "
                             "TRITON_INTERPRET=1 (the interpreter's sizes replace them)")
     rows = []
-    for name, key, cfg, fn, kargs, per_thread in cases():
+    for name, key, fn, kargs, per_thread in cases():
+        cfg = kernels_base.CONFIGS[key]
         k = compile_sm90(fn, kargs, cfg["num_warps"], cfg["num_stages"])
         regs, ops = read_binary(k.asm["cubin"])
         threads = 32 * cfg["num_warps"]

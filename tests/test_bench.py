@@ -153,8 +153,7 @@ def test_tune_times_each_config_passed_to_the_op(tmp_path):
         variants = r["variants"]
         assert len(variants) >= 2 and all("failed" not in v and v["ms"] > 0 and v["rel_err"] <= 1e-2 for v in variants)
         assert variants[0]["config"] == r["current"]  # today's CONFIGS entry first
-    last = data["results"]["attn_decode"]["variants"][-1]["config"]  # the table's last variant, not the current
-    assert last["BN"] == 32 and last["merge_tile"]
+    assert data["results"]["attn_decode"]["variants"][-1]["config"]["BN"] == 64
     assert "| attn_decode |" in md and data["meta"]["command"].startswith("python -m bench.tune")
 
 
@@ -255,8 +254,7 @@ def test_e2e_rows_carry_dense_bandwidth_and_the_byte_limit(e2e_run):
                                                 else {"triton", "sdpa"})  # (no 'PDL off' without PDL)
         assert set(r["masks"]) == {"attn_skip", "ffn_skip", "attn_union_live", "ffn_union_live"}
     assert set(next(r for r in decode if r["batch"] == 6)["wide_ms_by_policy"]) == {"default", "all sparse"}
-    assert set(next(r for r in decode if r["batch"] == 1)["wide_ms_by_policy"]) == {"default", "rule in norm_route",
-                                                                                 "norm handover"}
+    assert set(next(r for r in decode if r["batch"] == 1)["wide_ms_by_policy"]) == {"default", "rule in norm_route"}
 
 
 def test_e2e_compares_the_dense_engine_with_torch_compile_once(e2e_run):

@@ -378,21 +378,12 @@ def test_attention_decode_skips_inactive_kv_heads(p_on):
 # The work list cuts each live (row, KV head)'s keys into chunks sized for about programs_per_sm x SMs
 # items: 64 per SM gives chunks of one key block (many partials, merged by the pair's last program), 1 per
 # SM long chunks (most pairs in one item, written directly); 16 rows of varied lengths in between.
-@pytest.mark.parametrize("merge_tile", [False, True], ids=["merge one by one", "merge_tile"])
 @pytest.mark.parametrize("per_sm", [64, 4, 1])
 @pytest.mark.parametrize("p_on", [0.25, 1.0])
-def test_attention_decode_work_list_over_rows_of_any_length(per_sm, p_on, merge_tile):
+def test_attention_decode_work_list_over_rows_of_any_length(per_sm, p_on):
     lengths = [1, 16, 17, 70, 33, 2, 64, 5, 48, 70, 9, 31, 32, 15, 66, 40]
     run_decode(16, 4, 2, 70, 16, 2, p_on, lengths, torch.Generator().manual_seed(per_sm),
-               config=dict(programs_per_sm=per_sm, merge_tile=merge_tile))
-
-
-@pytest.mark.parametrize("H, G", [(6, 3), (8, 8)], ids=["3 query heads per KV head", "a group per head"])
-def test_attention_decode_merge_tile_with_query_heads_per_kv_head_not_its_padding(H, G):
-    # merge_tile's partials are [chunks, query heads of the KV head] (padded to a power of two, not the dot's
-    # 16 rows); many one-block chunks per pair, so the tile holds up to max_chunks of them
-    run_decode(3, H, 2, 70, 16, G, 0.5, [70, 45, 18], torch.Generator().manual_seed(H),
-               config=dict(programs_per_sm=64, max_chunks=4, merge_tile=True))
+               config=dict(programs_per_sm=per_sm))
 
 
 def after_rope(device, B, H, Hkv, D, L, steps, dtype):

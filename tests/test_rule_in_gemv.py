@@ -108,37 +108,6 @@ def test_a_one_token_step_is_the_same_with_the_rule_in_the_gemv_or_in_norm_route
     assert 0 < torch.cat([t.flatten() for t in ma["ffn"]]).mean() < 1, "the routers skip some groups, not all"
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_a_handed_over_decision_is_the_same_and_leaves_its_counters_zero(fused):
-    # Policy.norm_handover: the GEMV waits on a counter the norm's programs bump (kernels_base.handed_over), not on
-    # the norm's exit. The same mask, list and outputs; every rank counted; both counters zero after the GEMV, so
-    # the next step (a graph replay) starts from zero again.
-    G = 8
-    r, norm = router_and_norm(G, "random", seed=5)
-    x, res = torch.randn(1, 1, D), torch.randn(1, 1, D)
-    (_, y), dec = kernels_step.norm_route_deferred(x, norm, r, res)
-    handover = torch.zeros(2, dtype=torch.int32)
-    (_, y2), dec2 = kernels_step.norm_route_deferred(x, norm, r, res, handover=handover, ranks_per_program=8)
-    assert torch.equal(y, y2) and handover.tolist() == [r.down.out_features, 0], "every rank counted once"
-    w, w_up = torch.randn(G * GS, D) / 8, (torch.randn(G * GS, D) / 8 if fused else None)
-    tail = 0 if fused else GS
-    w = w if fused else torch.cat([w, torch.randn(tail, D) / 8])
-    ref = kernels.gemm_mn(y.view(1, D), w, dec.keep, GS, w_up=w_up, dense_tail=tail, decision=dec)
-    out = kernels.gemm_mn(y2.view(1, D), w, dec2.keep, GS, w_up=w_up, dense_tail=tail, decision=dec2)
-    assert torch.equal(out, ref) and torch.equal(dec.keep, dec2.keep) and torch.equal(dec.live, dec2.live)
-    assert handover.tolist() == [0, 0], "the GEMV's last program leaves both counters zero"
-
-
-def test_the_engine_hands_over_only_when_the_policy_asks():
-    m = wide_model()
-    assert engine.Engine(m, Policy()).handover is None
-    e = engine.Engine(m, Policy(norm_handover=True))
-    with torch.no_grad():
-        a = decode_step_logits(e, 1, {})
-        b = decode_step_logits(engine.Engine(m, Policy()), 1, {})
-    assert torch.equal(a, b) and e.handover.tolist() == [0, 0]
-
-
 def test_down_never_prefetches_a_live_list_the_gate_up_gemv_just_wrote(launches):
     # gemm_k's PREFETCH reads the live list before its PDL wait, which is safe only for a list written two or
     # more launches before: after the GEMV that applied the rule (live_fresh) it must stay off.

@@ -24,15 +24,13 @@ def test_every_decode_kernel_compiles_for_hopper_and_reads_back_registers_and_in
     data = json.loads((tmp_path / "k.json").read_text())
     assert data["meta"]["target"] == "sm_90a" and "no GPU" in data["meta"]["device"]
     rows = data["rows"]
-    assert [r["key"] for r in rows] == ["gemv_mn_1_fused"] * 2 + ["gemv_mn_1_fused_fp8"] * 2 + [
-        "gemv_mn_1", "gemv_mn_1_fp8"] + ["attn_decode"] * 2  # each key, then its options that are off by default
-    assert rows[-1]["config"]["merge_tile"] and "merge_tile" not in rows[-2]["config"]
+    assert [r["key"] for r in rows] == ["gemv_mn_1_fused", "gemv_mn_1_fused_fp8", "gemv_mn_1", "gemv_mn_1_fp8",
+                                        "attn_decode"]
     for r in rows:
         assert r["config"].get("num_warps"), "the GPU's block sizes, not the interpreter's"
         assert 16 <= r["registers"] <= 255 and r["instructions"] == sum(r["ops"].values()) > 100, r["op"]
         assert r["programs_per_sm"] == min(65536 // (r["registers"] * r["threads"]), 2048 // r["threads"])
-    ops = {r["key"]: r["ops"] for r in rows if r["op"] in ("gate+up, bf16", "gate+up, fp8", "Q, K, V + RoPE, bf16",
-                                                           "Q, K, V + RoPE, fp8", "decode attention")}
+    ops = {r["key"]: r["ops"] for r in rows}
     # what the binaries must hold: fp8 codes converted by the e4m3 -> f16 instruction, bf16 weights never;
     # the decode attention's products on tensor cores
     assert ops["gemv_mn_1_fused_fp8"].get("F2FP.F16.E4M3.UNPACK_B", 0) > 0

@@ -338,16 +338,14 @@ def test_prefill_attention_reads_q_of_active_heads_once_and_kv_only_up_to_their_
         assert torch.equal(read, needed), f"{name}: rows read != rows up to the last active token"
 
 
-@pytest.mark.parametrize("merge_tile", [False, True], ids=["merge one by one", "merge_tile"])
 @pytest.mark.parametrize("G", [4, 2], ids=["2 groups per KV head", "1 group per KV head"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_decode_attention_never_reads_the_kv_cache_of_a_kv_head_whose_query_heads_are_all_off(kind, G, merge_tile):
+def test_decode_attention_never_reads_the_kv_cache_of_a_kv_head_whose_query_heads_are_all_off(kind, G):
     L, kv_len = 40, torch.tensor([40, 17, 5])
     head_mask = step_mask(kind, B, G, seed=3)
     q, k, v = randn(B, H, 1, D, seed=1), randn(B, HKV, L, D, seed=2), randn(B, HKV, L, D, seed=3)
-    with recorded_loads() as rec:  # (one-key-block chunks: the longer rows' partials are merged)
-        kernels_attention.attention_decode(q, k, v, head_mask, kv_len,
-                                           config=dict(programs_per_sm=64, merge_tile=merge_tile))
+    with recorded_loads() as rec:
+        kernels_attention.attention_decode(q, k, v, head_mask, kv_len)
     active = head_mask.repeat_interleave(H // G, 1)  # [B, H]
     kv_on = active.view(B, HKV, H // HKV).any(2)  # [B, Hkv]: some query head of the KV head runs
     cached = torch.arange(L)[None, :] < kv_len[:, None]  # [B, L]
