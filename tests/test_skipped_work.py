@@ -45,7 +45,6 @@ import numpy as np
 import pytest
 import torch
 import triton.runtime.interpreter as interpreter
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 import kernels
 import kernels_attention
@@ -114,15 +113,13 @@ def recorded_loads():
         # (the interpreter drops launch options such as num_warps the same way).
         params = inspect.signature(self.fn).parameters
         bound = inspect.getcallargs(self.fn, *args, **{k: v for k, v in kwargs.items() if k in params})
-        # a tensor descriptor (TMA tiles) stands for its tensor: its tiles' loads are masked loads of it
-        bound = {n: t.base if isinstance(t, TensorDescriptor) else t for n, t in bound.items()}
         rec.launches.append(Launch(self.fn.__name__, {n: t for n, t in bound.items() if isinstance(t, torch.Tensor)}))
         return launch(self, *args, **kwargs)
 
-    def recording_load(ptrs, mask, *rest, **named):  # (ptrs, mask, other, cache_policy, is_volatile)
+    def recording_load(ptrs, mask, *rest):  # (ptrs, mask, other, cache_policy, is_volatile)
         on = np.broadcast_to(mask.data, ptrs.data.shape)
         rec.launches[-1].count(ptrs.data[on].astype(np.uint64))
-        return load(ptrs, mask, *rest, **named)
+        return load(ptrs, mask, *rest)
 
     builder.create_masked_load, executor.__call__ = recording_load, recording_launch
     try:
@@ -189,11 +186,10 @@ def test_the_recorder_sees_a_dense_linear_read_every_weight_element_exactly_once
 # ----------------------------------------------------------------------------------------------------
 # gemm_mn: output-channel groups (Q projection, gate + up)
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointer tiles", "TMA tiles"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "gate+up"])
 @pytest.mark.parametrize("kind", KINDS + ["tile-local"])
-def test_gemm_mn_tiles_read_a_groups_weight_rows_once_per_live_tile_and_never_for_a_dead_group(kind, fused, fmt, tma):
+def test_gemm_mn_tiles_read_a_groups_weight_rows_once_per_live_tile_and_never_for_a_dead_group(kind, fused, fmt):
     M, K, G = 40, 32, 4  # three token tiles of 16
     mask = step_mask(kind, M, G)
     x = randn(M, K)
@@ -201,7 +197,7 @@ def test_gemm_mn_tiles_read_a_groups_weight_rows_once_per_live_tile_and_never_fo
     w_up, wus = weight(fmt, G * GS, K, seed=2) if fused else (None, None)
     with recorded_loads() as rec:
         kernels.gemm_mn(x, w, kernels_layout.layout(mask, block_m=BLOCK_M), GS, w_up=w_up, w_scale=ws, w_up_scale=wus,
-                        config=dict(BN=GS, BK=32, TMA=tma))
+                        config=dict(BN=GS, BK=32))
     live_tiles = (mask.sum(0) + BLOCK_M - 1) // BLOCK_M  # [G]; a group no token runs has none
     expected = per_row(live_tiles, K)
     assert torch.equal(rec.reads("_gemm_mn_kernel", "w"), expected), "w: rows read != live tiles of their group"
