@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 import cli
 from kernels_base import LONG_K, check_device, codes_f32, config_for, empty, launch_args, pdl_args, pow2_divisor, prior_done
@@ -180,37 +179,18 @@ def gemm_mn_ref(x, w, mask, group_size, w_up=None, dense_tail=0, w_scale=None, w
     return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
-@triton.jit
-def _gemm_mn_weights(w, w_up, cols, kk, k0, K, swn, col0, FUSED: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
-    # the [BN, BK] tiles of gate (and up) at output channels cols from k0; past K they read as zeros
-    if TMA:  # (the descriptor's bounds zero-fill past K)
-        b = w.load([col0, k0])
-        bu = w_up.load([col0, k0]) if FUSED else b
-    else:
-        wp = w + cols[:, None].to(tl.int64) * swn + (k0 + kk)[None, :]
-        kok = (k0 + kk < K)[None, :]
-        b = tl.load(wp) if EVEN_K else tl.load(wp, mask=kok, other=0.0)
-        bu = b
-        if FUSED:
-            up = w_up + cols[:, None].to(tl.int64) * swn + (k0 + kk)[None, :]
-            bu = tl.load(up) if EVEN_K else tl.load(up, mask=kok, other=0.0)
-    return b, bu
-
-
 @triton.jit(do_not_specialize=["M", "NT"])  # token counts: see engine.warm_chunks
 def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, som,
                     GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     FUSED: tl.constexpr, ZERO: tl.constexpr, EVEN_K: tl.constexpr,
-                    IEEE: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+                    IEEE: tl.constexpr):
     """out[t, n] = x[t] . w[n] (or silu(x.w[n]) * x.w_up[n]) for the tokens t that run n's group.
 
     Grid (len(work), GS // BN). Program = one work item (group g, tile of BM tokens in g's sorted
     order) x one BN slice of g's output channels. Tiles past count[g] hold no live token: they
     exit before loading x or w (block skip) and only write zeros (ZERO). In the boundary tile the
     rows past count[g] are predicated off in the x loads (intra-block skip) and stored as zeros.
-    TMA: w and w_up are tensor descriptors, their [BN, BK] tiles copied by the TMA unit (the gathered
-    token rows of x cannot be: they stay pointer loads). WS: the K loop warp-specialized (loads and
-    products in separate warps). Twin: gemm_mn_ref.
+    Twin: gemm_mn_ref.
     """
     item = tl.load(work + tl.program_id(0))
     g, tile = item // NT, item % NT
@@ -227,16 +207,24 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, 
     ok = p < count
     kk = tl.arange(0, BK)
     xp = x + rows[:, None] * sxm + kk[None, :]
+    wp = w + cols[:, None].to(tl.int64) * swn + kk[None, :]
+    up = w_up + cols[:, None].to(tl.int64) * swn + kk[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
-    for k0 in tl.range(0, K, BK, warp_specialize=WS):
+    for k0 in range(0, K, BK):
         if EVEN_K:
             a = tl.load(xp + k0, mask=ok[:, None], other=0.0)
+            b = tl.load(wp + k0)
         else:
-            a = tl.load(xp + k0, mask=ok[:, None] & (k0 + kk < K)[None, :], other=0.0)
-        b, bu = _gemm_mn_weights(w, w_up, cols, kk, k0, K, swn, g * GS + tl.program_id(1) * BN, FUSED, EVEN_K, TMA)
+            kok = (k0 + kk < K)[None, :]
+            a = tl.load(xp + k0, mask=ok[:, None] & kok, other=0.0)
+            b = tl.load(wp + k0, mask=kok, other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee" if IEEE else "tf32")
         if FUSED:
+            if EVEN_K:
+                bu = tl.load(up + k0)
+            else:
+                bu = tl.load(up + k0, mask=kok, other=0.0)
             acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision="ieee" if IEEE else "tf32")
     if FUSED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, in fp32
@@ -291,12 +279,10 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     BN = pow2_divisor(group_size, cfg["BN"])
     NT = triton.cdiv(M, lay.block_m)
     grid = (G * NT, group_size // BN)
-    tma = bool(cfg.get("TMA"))
-    wd, wud = (TensorDescriptor.from_tensor(t, [BN, cfg["BK"]]) for t in (w, w_up)) if tma else (w, w_up)
-    _gemm_mn_kernel[grid](x, wd, wud, out, lay.counts, lay.perm, lay.work, M, N, K, NT,
+    _gemm_mn_kernel[grid](x, w, w_up, out, lay.counts, lay.perm, lay.work, M, N, K, NT,
                           x.stride(0), w.stride(0), out.stride(0), GS=group_size, BM=lay.block_m,
-                          BN=BN, BK=cfg["BK"], FUSED=fused, ZERO=zero_pruned, EVEN_K=K % cfg["BK"] == 0,
-                          IEEE=ieee, TMA=tma, WS=bool(cfg.get("WS")), **launch_args(cfg))
+                          BN=BN, BK=cfg["BK"], FUSED=fused, ZERO=zero_pruned,
+                          EVEN_K=K % cfg["BK"] == 0, IEEE=ieee, **launch_args(cfg))
     return out
 
 
