@@ -56,16 +56,13 @@ def tune_table(s):
             v(4, 3, BN=128, programs_per_sm=4), v(4, 2, BN=64, programs_per_sm=4, max_chunks=16),
             v(8, 2, BN=128, programs_per_sm=1), v(8, 2, BN=128, programs_per_sm=2), v(4, 2, BN=128, programs_per_sm=1),
             v(4, 2, BN=128, programs_per_sm=2), v(4, 3, BN=64, programs_per_sm=1), v(4, 3, BN=64, programs_per_sm=2)]
-    # merge_tile: the pair's last program loads all its partials in one round trip; shorter chunks then pay less
-    tile = lambda warps, bn, chunks, per_sm=4: v(warps, 2, BN=bn, programs_per_sm=per_sm, max_chunks=chunks, merge_tile=True)
-    attn += [tile(8, 128, 16), tile(8, 64, 16), tile(4, 64, 16), tile(8, 32, 32, 8), tile(4, 128, 16), tile(4, 32, 32),
-             tile(4, 64, 32, 8), tile(4, 32, 32, 8)]
     # PREFETCH: the current config with the first live slice's weights loaded before the PDL wait
     pre = lambda key: dict(kernels_base.CONFIGS[key], PREFETCH=True)
     # EARLY_NEXT: the current config letting the next kernel (a norm, which loads router weights before its wait)
     # launch once gemm_k's programs have passed their PDL wait (judge it --in-step: a single op has no next kernel)
     early = lambda key: dict(kernels_base.CONFIGS[key], EARLY_NEXT=True)
-    # prefill gate+up: block_m tokens x BN channels of gate and of up per program (two accumulators)
+    # prefill gate+up: block_m tokens x BN channels of gate and of up per program (two accumulators). Weight tiles by
+    # TMA and a warp-specialized K loop did no better either (kernels_h100_tune_gu2, git 8f52495)
     prefill_gu = [v(8, 3, block_m=128, BN=128, BK=64), v(8, 5, block_m=128, BN=128, BK=32),
                   v(8, 4, block_m=128, BN=64, BK=64), v(8, 6, block_m=128, BN=64, BK=64),
                   v(4, 4, block_m=128, BN=64, BK=64), v(4, 4, block_m=64, BN=128, BK=64),
