@@ -15,8 +15,6 @@ Config tuples: (BN, BK, num_warps, num_stages, gather); gather 0 reads each tile
 instead of through the layout's permutation (wrong values; it times what the gathered loads cost).
 """
 import argparse
-import datetime
-import json
 import os
 
 import torch
@@ -28,7 +26,7 @@ import cli
 import kernels
 import kernels_base
 import kernels_layout
-from bench.common import bench_ms
+from bench.common import bench_ms, meta, save
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP else "cuda"
@@ -158,15 +156,10 @@ def main(argv=None):
             print(skipped, check(40, 64, 64, 32, skipped, (16, 32, 4, 2, 1), 16))
         return
     rows = sweep()
-    gpu = torch.cuda.get_device_name()
-    meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command="python -m research.gate_up_lab")
-    out = f"results/gate_up_lab_{'h200' if 'H200' in gpu else 'h100'}"
-    json.dump(dict(meta=meta, rows=rows), open(out + ".json", "w"), indent=1)
-    open(out + ".md", "w").write(markdown(meta, rows))
-    print(markdown(meta, rows))
-
+    m = meta(False, "-m research.gate_up_lab", argv or [])
+    md = markdown(m, rows)
+    save(f"results/gate_up_lab_{'h200' if 'H200' in m['gpu'] else 'h100'}", dict(meta=m, rows=rows), md)
+    print(md)
 
 if __name__ == "__main__":
     cli.run(main)
