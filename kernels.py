@@ -183,14 +183,16 @@ def gemm_mn_ref(x, w, mask, group_size, w_up=None, dense_tail=0, w_scale=None, w
 def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, som,
                     GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     FUSED: tl.constexpr, ZERO: tl.constexpr, EVEN_K: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    IEEE: tl.constexpr, PAIRED: tl.constexpr):
     """out[t, n] = x[t] . w[n] (or silu(x.w[n]) * x.w_up[n]) for the tokens t that run n's group.
 
     Grid (len(work), GS // BN). Program = one work item (group g, tile of BM tokens in g's sorted
     order) x one BN slice of g's output channels. Tiles past count[g] hold no live token: they
     exit before loading x or w (block skip) and only write zeros (ZERO). In the boundary tile the
     rows past count[g] are predicated off in the x loads (intra-block skip) and stored as zeros.
-    Twin: gemm_mn_ref.
+    PAIRED (gate+up): one [2 BN, BK] weight tile per K step, its rows gate's and up's channels in turns, so one
+    tensor-core product 2 BN wide reads the token tile once (two BN-wide ones read it twice); its column pairs
+    split into gate and up in the epilogue. Twin: gemm_mn_ref.
     """
     item = tl.load(work + tl.program_id(0))
     g, tile = item // NT, item % NT
@@ -211,21 +213,37 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, 
     up = w_up + cols[:, None].to(tl.int64) * swn + kk[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
-        if EVEN_K:
-            a = tl.load(xp + k0, mask=ok[:, None], other=0.0)
-            b = tl.load(wp + k0)
-        else:
-            kok = (k0 + kk < K)[None, :]
-            a = tl.load(xp + k0, mask=ok[:, None] & kok, other=0.0)
-            b = tl.load(wp + k0, mask=kok, other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee" if IEEE else "tf32")
-        if FUSED:
+    if PAIRED:  # tile row 2j: gate's channel cols[j]; 2j + 1: up's
+        j = tl.arange(0, 2 * BN)
+        wrow = (g * GS + tl.program_id(1) * BN + j // 2).to(tl.int64)[:, None] * swn + kk[None, :]
+        wp = tl.where((j % 2 == 0)[:, None], w + wrow, w_up + wrow)
+        acc2 = tl.zeros([BM, 2 * BN], tl.float32)
+        for k0 in range(0, K, BK):
             if EVEN_K:
-                bu = tl.load(up + k0)
+                a = tl.load(xp + k0, mask=ok[:, None], other=0.0)
+                b = tl.load(wp + k0)
             else:
-                bu = tl.load(up + k0, mask=kok, other=0.0)
-            acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision="ieee" if IEEE else "tf32")
+                kok = (k0 + kk < K)[None, :]
+                a = tl.load(xp + k0, mask=ok[:, None] & kok, other=0.0)
+                b = tl.load(wp + k0, mask=kok, other=0.0)
+            acc2 = tl.dot(a, tl.trans(b), acc2, input_precision="ieee" if IEEE else "tf32")
+        acc, acc_up = tl.split(tl.reshape(acc2, [BM, BN, 2]))
+    else:
+        for k0 in range(0, K, BK):
+            if EVEN_K:
+                a = tl.load(xp + k0, mask=ok[:, None], other=0.0)
+                b = tl.load(wp + k0)
+            else:
+                kok = (k0 + kk < K)[None, :]
+                a = tl.load(xp + k0, mask=ok[:, None] & kok, other=0.0)
+                b = tl.load(wp + k0, mask=kok, other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee" if IEEE else "tf32")
+            if FUSED:
+                if EVEN_K:
+                    bu = tl.load(up + k0)
+                else:
+                    bu = tl.load(up + k0, mask=kok, other=0.0)
+                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision="ieee" if IEEE else "tf32")
     if FUSED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, in fp32
     acc = tl.where(ok[:, None], acc, 0.0)
@@ -282,7 +300,8 @@ def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, confi
     _gemm_mn_kernel[grid](x, w, w_up, out, lay.counts, lay.perm, lay.work, M, N, K, NT,
                           x.stride(0), w.stride(0), out.stride(0), GS=group_size, BM=lay.block_m,
                           BN=BN, BK=cfg["BK"], FUSED=fused, ZERO=zero_pruned,
-                          EVEN_K=K % cfg["BK"] == 0, IEEE=ieee, **launch_args(cfg))
+                          EVEN_K=K % cfg["BK"] == 0, IEEE=ieee, PAIRED=fused and bool(cfg.get("PAIRED")),
+                          **launch_args(cfg))
     return out
 
 

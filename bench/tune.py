@@ -61,14 +61,17 @@ def tune_table(s):
     # EARLY_NEXT: the current config letting the next kernel (a norm, which loads router weights before its wait)
     # launch once gemm_k's programs have passed their PDL wait (judge it --in-step: a single op has no next kernel)
     early = lambda key: dict(kernels_base.CONFIGS[key], EARLY_NEXT=True)
-    # prefill gate+up: block_m tokens x BN channels of gate and of up per program (two accumulators). Weight tiles by
-    # TMA and a warp-specialized K loop did no better either (kernels_h100_tune_gu2, git 8f52495)
+    # prefill gate+up: block_m tokens x BN channels of gate and of up per program (two accumulators; PAIRED: one
+    # product over both, research/gate_up_lab.py). Weight tiles by TMA and a warp-specialized K loop did no better
+    # (kernels_h100_tune_gu2, git 8f52495)
+    paired = [v(8, 4, block_m=128, BN=128, BK=64, PAIRED=True), v(8, 3, block_m=128, BN=128, BK=64, PAIRED=True),
+              v(8, 5, block_m=128, BN=128, BK=32, PAIRED=True), v(8, 4, block_m=128, BN=64, BK=64, PAIRED=True)]
     prefill_gu = [v(8, 3, block_m=128, BN=128, BK=64), v(8, 5, block_m=128, BN=128, BK=32),
                   v(8, 4, block_m=128, BN=64, BK=64), v(8, 6, block_m=128, BN=64, BK=64),
                   v(4, 4, block_m=128, BN=64, BK=64), v(4, 4, block_m=64, BN=128, BK=64),
                   v(8, 4, block_m=64, BN=128, BK=64), v(4, 6, block_m=64, BN=128, BK=64),
                   v(8, 3, block_m=256, BN=64, BK=64), v(8, 4, block_m=256, BN=64, BK=64),
-                  v(8, 2, block_m=128, BN=128, BK=128), v(4, 4, block_m=64, BN=64, BK=128)]
+                  v(8, 2, block_m=128, BN=128, BK=128), v(4, 4, block_m=64, BN=64, BK=128), *paired]
     return {
         "gemm_mn_fused": (lambda: case_gate_up(s, M), prefill_gu),
         # a served 2048-token chunk at the 75/25 profile's FFN share

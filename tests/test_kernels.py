@@ -70,12 +70,12 @@ def test_layout_permutation_is_stable_and_counts_exact(shape, p_on):
 
 
 # ---------------------------------------------------------------------------------- gemm_mn / gemm_k
-def run_gemm_mn(M, K, G, gs, p_on, fused, gen, as_layout=False):
+def run_gemm_mn(M, K, G, gs, p_on, fused, gen, as_layout=False, config=None):
     x, w = randn(M, K, gen=gen), randn(G * gs, K, gen=gen)
     w_up = randn(G * gs, K, gen=gen) if fused else None
     mask = make_mask((M, G), p_on, gen)
     arg = kernels_layout.layout(mask) if as_layout else mask
-    out = kernels.gemm_mn(x, w, arg, gs, w_up=w_up)
+    out = kernels.gemm_mn(x, w, arg, gs, w_up=w_up, config=config)
     ref = kernels.gemm_mn_ref(x, w, mask, gs, w_up=w_up)
     assert_close(out, ref)
     pruned = ~mask.repeat_interleave(gs, 1)
@@ -101,6 +101,14 @@ def test_gemm_mn_matches_twin(M, fused):
 @pytest.mark.parametrize("M", [3, 33])
 def test_gemm_mn_all_groups_on_and_off(M, p_on):
     run_gemm_mn(M, 32, 2, 32, p_on, True, torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("p_on", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("BN", [16, 8], ids=["whole group", "half a group"])
+def test_gemm_mn_paired_gate_up_tile_matches_twin(BN, p_on):
+    # config PAIRED: one product over gate's and up's rows in turns. 37 tokens (tiles of 16: a boundary tile),
+    # K = 80 in slices of 32 (the last one partial)
+    run_gemm_mn(37, 80, 3, 16, p_on, True, torch.Generator().manual_seed(5), config=dict(BN=BN, BK=32, PAIRED=True))
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 33])

@@ -186,10 +186,14 @@ def test_the_recorder_sees_a_dense_linear_read_every_weight_element_exactly_once
 # ----------------------------------------------------------------------------------------------------
 # gemm_mn: output-channel groups (Q projection, gate + up)
 
+@pytest.mark.parametrize("paired", [False, True], ids=["two products", "paired"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "gate+up"])
 @pytest.mark.parametrize("kind", KINDS + ["tile-local"])
-def test_gemm_mn_tiles_read_a_groups_weight_rows_once_per_live_tile_and_never_for_a_dead_group(kind, fused, fmt):
+def test_gemm_mn_tiles_read_a_groups_weight_rows_once_per_live_tile_and_never_for_a_dead_group(kind, fused, fmt,
+                                                                                               paired):
+    if paired and not fused:
+        pytest.skip("config PAIRED changes gate+up's tile only")
     M, K, G = 40, 32, 4  # three token tiles of 16
     mask = step_mask(kind, M, G)
     x = randn(M, K)
@@ -197,7 +201,7 @@ def test_gemm_mn_tiles_read_a_groups_weight_rows_once_per_live_tile_and_never_fo
     w_up, wus = weight(fmt, G * GS, K, seed=2) if fused else (None, None)
     with recorded_loads() as rec:
         kernels.gemm_mn(x, w, kernels_layout.layout(mask, block_m=BLOCK_M), GS, w_up=w_up, w_scale=ws, w_up_scale=wus,
-                        config=dict(BN=GS, BK=32))
+                        config=dict(BN=GS, BK=32, PAIRED=paired))
     live_tiles = (mask.sum(0) + BLOCK_M - 1) // BLOCK_M  # [G]; a group no token runs has none
     expected = per_row(live_tiles, K)
     assert torch.equal(rec.reads("_gemm_mn_kernel", "w"), expected), "w: rows read != live tiles of their group"
