@@ -179,6 +179,26 @@ def gemm_mn_ref(x, w, mask, group_size, w_up=None, dense_tail=0, w_scale=None, w
     return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
+@triton.jit
+def _x_slice(xp, k0, kk, K, ok, EVEN_K: tl.constexpr):
+    # the token tile's [BM, BK] slice at k0: rows past the group's count (and K past its end) read as zeros
+    if EVEN_K:
+        a = tl.load(xp + k0, mask=ok[:, None], other=0.0)
+    else:
+        a = tl.load(xp + k0, mask=ok[:, None] & (k0 + kk < K)[None, :], other=0.0)
+    return a
+
+
+@triton.jit
+def _w_slice(wp, k0, kk, K, EVEN_K: tl.constexpr):
+    # a weight tile's slice at k0 (K past its end reads as zeros)
+    if EVEN_K:
+        b = tl.load(wp + k0)
+    else:
+        b = tl.load(wp + k0, mask=(k0 + kk < K)[None, :], other=0.0)
+    return b
+
+
 @triton.jit(do_not_specialize=["M", "NT"])  # token counts: see engine.warm_chunks
 def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, som,
                     GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -219,31 +239,16 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, 
         wp = tl.where((j % 2 == 0)[:, None], w + wrow, w_up + wrow)
         acc2 = tl.zeros([BM, 2 * BN], tl.float32)
         for k0 in range(0, K, BK):
-            if EVEN_K:
-                a = tl.load(xp + k0, mask=ok[:, None], other=0.0)
-                b = tl.load(wp + k0)
-            else:
-                kok = (k0 + kk < K)[None, :]
-                a = tl.load(xp + k0, mask=ok[:, None] & kok, other=0.0)
-                b = tl.load(wp + k0, mask=kok, other=0.0)
+            a, b = _x_slice(xp, k0, kk, K, ok, EVEN_K), _w_slice(wp, k0, kk, K, EVEN_K)
             acc2 = tl.dot(a, tl.trans(b), acc2, input_precision="ieee" if IEEE else "tf32")
         acc, acc_up = tl.split(tl.reshape(acc2, [BM, BN, 2]))
     else:
         for k0 in range(0, K, BK):
-            if EVEN_K:
-                a = tl.load(xp + k0, mask=ok[:, None], other=0.0)
-                b = tl.load(wp + k0)
-            else:
-                kok = (k0 + kk < K)[None, :]
-                a = tl.load(xp + k0, mask=ok[:, None] & kok, other=0.0)
-                b = tl.load(wp + k0, mask=kok, other=0.0)
+            a, b = _x_slice(xp, k0, kk, K, ok, EVEN_K), _w_slice(wp, k0, kk, K, EVEN_K)
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee" if IEEE else "tf32")
             if FUSED:
-                if EVEN_K:
-                    bu = tl.load(up + k0)
-                else:
-                    bu = tl.load(up + k0, mask=kok, other=0.0)
-                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision="ieee" if IEEE else "tf32")
+                acc_up = tl.dot(a, tl.trans(_w_slice(up, k0, kk, K, EVEN_K)), acc_up,
+                                input_precision="ieee" if IEEE else "tf32")
     if FUSED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, in fp32
     acc = tl.where(ok[:, None], acc, 0.0)
