@@ -1,8 +1,8 @@
 """
-What the one-token decode kernels compile to on a Hopper GPU, read on any machine (no GPU needed): each
-kernel is built for sm_90a by Triton itself, with the sizes of kernels_base.CONFIGS and the argument
-specializations a Llama-3.1-8B decode step gives it (ints that are multiples of 16 marked so, as the launcher
-does), then Triton's own cuobjdump reads the binary: registers per thread (which cap the programs an SM can
+What the one-token decode kernels and the prefill gate+up tile compile to on a Hopper GPU, read on any machine
+(no GPU needed): each kernel is built for sm_90a by Triton itself, with the sizes of kernels_base.CONFIGS and the
+argument specializations a Llama-3.1-8B decode step (or 2048-token chunk) gives it (ints that are multiples of 16
+marked so, as the launcher does), then Triton's own cuobjdump reads the binary: registers per thread (which cap the programs an SM can
 hold), shared memory, and the instruction mix.
 
     python -m research.sass        # -> results/kernels_sass_sm90.{json,md}
@@ -21,10 +21,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 import cli
+import kernels
 import kernels_attention
 import kernels_base
 import kernels_gemv
 from bench.common import save
+from research import gate_up_lab
 
 D, I, H, HKV, HD, CTX = 4096, 14336, 32, 8, 128, 1024  # Llama-3.1-8B; a 1k-token cache
 SHARED_PER_SM = 228 * 1024  # Hopper's shared memory per SM (config PIPE's tiles in flight live there)
@@ -93,8 +95,18 @@ def attention_args(cfg):
                 BH=16, BN=cfg["BN"], MC=cfg["max_chunks"], D=HD, IEEE=False, PDL=1)
 
 
+def gate_up_tile_args(cfg, paired, lab=False):
+    """The prefill gate+up tile's arguments for a 2048-token chunk (kernels._gemm_mn_kernel, or the lab's kernel
+    with gate and up interleaved: research/gate_up_lab.py)."""
+    common = dict(x="*bf16", w="*bf16", out="*bf16", counts="*i32", perm="*i32", work="*i32", M=2048, K=D, NT=16,
+                  sxm=D, som=I, GS=128, BM=kernels_base.CONFIGS["block_m"], BN=cfg["BN"], BK=cfg["BK"], IEEE=False)
+    if lab:
+        return dict(common, GATHER=1)
+    return dict(common, w_up="*bf16", N=I, swn=D, FUSED=True, ZERO=True, EVEN_K=True, PAIRED=paired)
+
+
 def cases():
-    """(name, CONFIGS key, kernel, arguments, weight codes one thread reads per loop step or None)"""
+    """(name, CONFIGS key, config, kernel, arguments, weight codes one thread reads per loop step or None)"""
     out = []
     for key, fp8 in (("gemv_mn_1_fused", False), ("gemv_mn_1_fused_fp8", True)):
         cfg = kernels_base.CONFIGS[key]
@@ -107,6 +119,17 @@ def cases():
                     gemv_args(cfg, False, fp8, True), cfg["BN"] * cfg["BK"] // (32 * cfg["num_warps"])))
     out.append(("decode attention", "attn_decode", kernels_attention.DECODE_KERNEL,
                 attention_args(kernels_base.CONFIGS["attn_decode"]), None))
+    out = [(name, key, kernels_base.CONFIGS[key], *rest) for name, key, *rest in out]
+    # prefill: the gate+up tile as CONFIGS runs it, the same with config PAIRED, and the lab kernel it follows
+    cfg = kernels_base.CONFIGS["gemm_mn_fused"]
+    paired = dict(cfg, PAIRED=True)
+    per_thread = 2 * cfg["BN"] * cfg["BK"] // (32 * cfg["num_warps"])
+    out += [("gate+up prefill tile, 2048 tokens", "gemm_mn_fused", cfg, kernels._gemm_mn_kernel,
+             gate_up_tile_args(cfg, False), per_thread),
+            ("the same, config PAIRED", "gemm_mn_fused", paired, kernels._gemm_mn_kernel,
+             gate_up_tile_args(cfg, True), per_thread),
+            ("the same, research.gate_up_lab's kernel", "gemm_mn_fused", cfg, gate_up_lab.lab_gate_up,
+             gate_up_tile_args(cfg, True, lab=True), per_thread)]
     return out
 
 
@@ -119,8 +142,7 @@ def main(argv=None):
         raise cli.UserError("research.sass builds the GPU kernels with their GPU sizes: run it without "
                             "TRITON_INTERPRET=1 (the interpreter's sizes replace them)")
     rows = []
-    for name, key, fn, kargs, per_thread in cases():
-        cfg = kernels_base.CONFIGS[key]
+    for name, key, cfg, fn, kargs, per_thread in cases():
         k = compile_sm90(fn, kargs, cfg["num_warps"], cfg["num_stages"])
         regs, ops = read_binary(k.asm["cubin"])
         threads = 32 * cfg["num_warps"]
@@ -129,13 +151,13 @@ def main(argv=None):
                                              SHARED_PER_SM // max(k.metadata.shared, 1)), shared=k.metadata.shared,
                          instructions=sum(ops.values()), ops=dict(ops.most_common()), codes_per_step=per_thread))
         print(f"{name}: {regs} registers, {sum(ops.values())} instructions", flush=True)
-    lines = ["# The one-token decode kernels as compiled for sm_90a", "",
+    lines = ["# The one-token decode kernels and the prefill gate+up tile as compiled for sm_90a", "",
              f"triton {triton.__version__} (its ptxas and cuobjdump), {datetime.date.today()}, `python -m research.sass` "
              "(any machine: no GPU is used). Llama-3.1-8B shapes, "
              "bf16 activations, the sizes of kernels_base.CONFIGS. Counts are static: every instruction of the binary "
              "once (loop body, prologue, epilogue). 'programs per SM' is what the registers (65536 per SM) and "
              "shared memory (228 KB) allow; "
-             "'weights per step' is the weight elements one thread reads in one step of the GEMV's loop.", "",
+             "'weights per step' is the weight elements one thread reads in one step of the kernel's loop.", "",
              "| op | CONFIGS key | registers | threads | programs per SM | shared KB | instructions | weights per step "
              "| most frequent |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

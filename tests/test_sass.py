@@ -25,7 +25,7 @@ def test_every_decode_kernel_compiles_for_hopper_and_reads_back_registers_and_in
     assert data["meta"]["target"] == "sm_90a" and "no GPU" in data["meta"]["device"]
     rows = data["rows"]
     assert [r["key"] for r in rows] == ["gemv_mn_1_fused", "gemv_mn_1_fused_fp8", "gemv_mn_1", "gemv_mn_1_fp8",
-                                        "attn_decode"]
+                                        "attn_decode", "gemm_mn_fused", "gemm_mn_fused", "gemm_mn_fused"]
     for r in rows:
         assert r["config"].get("num_warps"), "the GPU's block sizes, not the interpreter's"
         assert 16 <= r["registers"] <= 255 and r["instructions"] == sum(r["ops"].values()) > 100, r["op"]
@@ -36,7 +36,13 @@ def test_every_decode_kernel_compiles_for_hopper_and_reads_back_registers_and_in
     assert ops["gemv_mn_1_fused_fp8"].get("F2FP.F16.E4M3.UNPACK_B", 0) > 0
     assert "F2FP.F16.E4M3.UNPACK_B" not in ops["gemv_mn_1_fused"]
     assert any(op.startswith(("HMMA", "HGMMA")) for op in ops["attn_decode"])
-    assert (tmp_path / "k.md").read_text().startswith("# The one-token decode kernels as compiled for sm_90a")
+    # the prefill gate+up tile: config PAIRED runs one product twice as wide per K step, half the instructions of
+    # the two-product tile's, as the lab kernel whose time it follows does
+    tile, paired, lab = (r["ops"] for r in rows[5:])
+    wgmma = lambda o: sum(n for op, n in o.items() if op.startswith("HGMMA"))
+    assert rows[6]["config"]["PAIRED"] and "PAIRED" not in rows[5]["config"]
+    assert wgmma(tile) == 2 * wgmma(paired) == 2 * wgmma(lab) > 0
+    assert (tmp_path / "k.md").read_text().startswith("# The one-token decode kernels and the prefill gate+up tile")
 
 
 def test_under_the_interpreter_it_stops_in_one_line():
