@@ -26,7 +26,7 @@ import kernels_attention
 import kernels_base
 import kernels_gemv
 from bench.common import save
-from research import gate_up_lab
+from research.gate_up_lab import lab_gate_up
 
 D, I, H, HKV, HD, CTX = 4096, 14336, 32, 8, 128, 1024  # Llama-3.1-8B; a 1k-token cache
 SHARED_PER_SM = 228 * 1024  # Hopper's shared memory per SM (config PIPE's tiles in flight live there)
@@ -128,7 +128,7 @@ def cases():
              gate_up_tile_args(cfg, False), per_thread),
             ("the same, config PAIRED", "gemm_mn_fused", paired, kernels._gemm_mn_kernel,
              gate_up_tile_args(cfg, True), per_thread),
-            ("the same, research.gate_up_lab's kernel", "gemm_mn_fused", cfg, gate_up_lab.lab_gate_up,
+            ("the same, research.gate_up_lab's kernel", "gemm_mn_fused", cfg, lab_gate_up,
              gate_up_tile_args(cfg, True, lab=True), per_thread)]
     return out
 
