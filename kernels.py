@@ -229,8 +229,6 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, 
     ok = p < count
     kk = tl.arange(0, BK)
     xp = x + rows[:, None] * sxm + kk[None, :]
-    wp = w + cols[:, None].to(tl.int64) * swn + kk[None, :]
-    up = w_up + cols[:, None].to(tl.int64) * swn + kk[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
     if PAIRED:  # tile row 2j: gate's channel cols[j]; 2j + 1: up's
@@ -243,6 +241,8 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, 
             acc2 = tl.dot(a, tl.trans(b), acc2, input_precision="ieee" if IEEE else "tf32")
         acc, acc_up = tl.split(tl.reshape(acc2, [BM, BN, 2]))
     else:
+        wp = w + cols[:, None].to(tl.int64) * swn + kk[None, :]
+        up = w_up + cols[:, None].to(tl.int64) * swn + kk[None, :]
         for k0 in range(0, K, BK):
             a, b = _x_slice(xp, k0, kk, K, ok, EVEN_K), _w_slice(wp, k0, kk, K, EVEN_K)
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee" if IEEE else "tf32")
