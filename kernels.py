@@ -255,6 +255,10 @@ def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, 
     tl.store(optr, acc.to(out.dtype.element_ty), mask=(p < M if ZERO else ok)[:, None])
 
 
+# The Triton kernel gemm_mn's prefill tiles launch, by a public name (research.sass builds it on its own).
+GEMM_MN_KERNEL = _gemm_mn_kernel
+
+
 def gemm_mn(x, w, mask_or_layout, group_size, w_up=None, zero_pruned=True, config=None, dense_tail=0,
             w_scale=None, w_up_scale=None, rope=None, decision=None):
     """Masked linear with output-channel groups: x[M,K], w[N,K], mask [M, N/group_size] -> [M,N].

@@ -96,7 +96,7 @@ def attention_args(cfg):
 
 
 def gate_up_tile_args(cfg, paired, lab=False):
-    """The prefill gate+up tile's arguments for a 2048-token chunk (kernels._gemm_mn_kernel, or the lab's kernel
+    """The prefill gate+up tile's arguments for a 2048-token chunk (kernels.GEMM_MN_KERNEL, or the lab's kernel
     with gate and up interleaved: research/gate_up_lab.py)."""
     common = dict(x="*bf16", w="*bf16", out="*bf16", counts="*i32", perm="*i32", work="*i32", M=2048, K=D, NT=16,
                   sxm=D, som=I, GS=128, BM=kernels_base.CONFIGS["block_m"], BN=cfg["BN"], BK=cfg["BK"], IEEE=False)
@@ -124,9 +124,9 @@ def cases():
     cfg = kernels_base.CONFIGS["gemm_mn_fused"]
     paired = dict(cfg, PAIRED=True)
     per_thread = 2 * cfg["BN"] * cfg["BK"] // (32 * cfg["num_warps"])
-    out += [("gate+up prefill tile, 2048 tokens", "gemm_mn_fused", cfg, kernels._gemm_mn_kernel,
+    out += [("gate+up prefill tile, 2048 tokens", "gemm_mn_fused", cfg, kernels.GEMM_MN_KERNEL,
              gate_up_tile_args(cfg, False), per_thread),
-            ("the same, config PAIRED", "gemm_mn_fused", paired, kernels._gemm_mn_kernel,
+            ("the same, config PAIRED", "gemm_mn_fused", paired, kernels.GEMM_MN_KERNEL,
              gate_up_tile_args(cfg, True), per_thread),
             ("the same, research.gate_up_lab's kernel", "gemm_mn_fused", cfg, lab_gate_up,
              gate_up_tile_args(cfg, True, lab=True), per_thread)]
