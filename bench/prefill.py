@@ -44,10 +44,11 @@ def smoke_run():
 
 @torch.no_grad()
 def time_chunk(run, e, T, start, reps=5):
-    """(eager ms, graph ms, host ms, {op: us}, {op: gap us}) of one chunk of T tokens at positions start..start+T-1
-    of a one-row cache: eagerly, as a CUDA graph as Server.prefill runs it (engine.CUDAGraphPrefill at the bucket a
-    chunk of T is padded to; the op breakdown is of that replay: each op's kernel time, and the idle time before
-    its kernels), and the host's time to issue the eager chunk's launches alone."""
+    """(eager ms, graph ms, host ms, {op: us}, {op: gap us}, kernels) of one chunk of T tokens at positions
+    start..start+T-1 of a one-row cache: eagerly, as a CUDA graph as Server.prefill runs it (engine.CUDAGraphPrefill
+    at the bucket a chunk of T is padded to; the op breakdown is of that replay: each op's kernel time, and the idle
+    time before its kernels), and the host's time to issue the eager chunk's launches alone. kernels: [op, kernel
+    name, us, launches] of that replay, summed over the layers, longest first (which kernel an op's time is)."""
     idx = torch.randint(0, e.config.vocab_size, (1, T), device=run.device)
     pos = torch.arange(start, start + T, device=run.device)
     last = torch.tensor([T - 1], device=run.device)
@@ -58,7 +59,7 @@ def time_chunk(run, e, T, start, reps=5):
         return times[len(times) // 2]
     eager = median(step)
     if run.smoke:  # CUDA graphs and the profiler's GPU kernels: nothing more on the CPU
-        return eager, None, None, {}, {}
+        return eager, None, None, {}, {}, []
     # The host's own cost: the chunk's launches issued while a sleep kernel keeps the GPU busy, so the host
     # never waits on it (start given: no host read of input_pos).
     torch.cuda.synchronize()
@@ -76,12 +77,16 @@ def time_chunk(run, e, T, start, reps=5):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         replay(1)
         torch.cuda.synchronize()
-    ops, gaps = {}, {}
-    for label, _, us, gap in assign_ops(kernel_events(prof), e.step_plan(bucket, False, start)):
+    ops, gaps, by_kernel = {}, {}, {}
+    for label, name, us, gap in assign_ops(kernel_events(prof), e.step_plan(bucket, False, start)):
         ops[label] = round(ops.get(label, 0.0) + us, 1)
         gaps[label] = round(gaps.get(label, 0.0) + gap, 1)
+        total, n = by_kernel.get((label, name[:120]), (0.0, 0))
+        by_kernel[(label, name[:120])] = (total + us, n + 1)
+    kernels = sorted(([label, name, round(us, 1), n] for (label, name), (us, n) in by_kernel.items()),
+                     key=lambda k: -k[2])
     del g
-    return eager, graph, host, ops, gaps
+    return eager, graph, host, ops, gaps, kernels
 
 
 def profile_rows(run, m, routers, name, sparsity, lengths, starts, log, policy):
@@ -94,10 +99,10 @@ def profile_rows(run, m, routers, name, sparsity, lengths, starts, log, policy):
         fill_cache(m, max(starts))
         for start in starts:
             for T in lengths:
-                eager, graph, host, ops, gaps = time_chunk(run, e, T, start)
+                eager, graph, host, ops, gaps, kernels = time_chunk(run, e, T, start)
                 rows.append(dict(profile=name, start=start, tokens=T, eager_ms=round(eager, 3),
                                  graph_ms=graph and round(graph, 3), host_ms=host and round(host, 3), ops=ops, gaps=gaps,
-                                 ms_per_1k=round((graph or eager) / T * 1e3, 2)))
+                                 kernels=kernels, ms_per_1k=round((graph or eager) / T * 1e3, 2)))
                 log(f"{name}, start {start}, {T} tokens: {eager:.2f} ms eager, graph {graph or 0:.2f} ms, "
                     f"host {host or 0:.2f} ms")
         e.clear_caches()
@@ -133,10 +138,10 @@ def markdown(rec):
             "dense: dense ms / WIDE ms, > 1 = WIDE faster):", ""] + chunk_table(rec, served)
     worst = [(d[served] / r[served], r) for r in rows if r["profile"] != "dense"
              for d in [by.get(("dense", r["start"], r["tokens"]))] if d]
-    if worst:
-        ratio, r = min(worst, key=lambda x: x[0])
-        out += ["", f"Slowest WIDE chunk against dense: {r['profile']}, {r['tokens']} tokens at start {r['start']}: "
-                f"{ratio:.2f}x."]
+    ratio, slowest = min(worst, key=lambda x: x[0]) if worst else (None, None)
+    if slowest:
+        out += ["", f"Slowest WIDE chunk against dense: {slowest['profile']}, {slowest['tokens']} tokens at start "
+                f"{slowest['start']}: {ratio:.2f}x."]
     if rows[0]["graph_ms"]:
         out += ["", "The same chunks launched eagerly, op by op from the host:", ""] + chunk_table(rec, "eager_ms")
     if rows[0].get("host_ms"):
@@ -161,6 +166,14 @@ def markdown(rec):
             out.append(f"| {r['profile']} | {r['start']} | {r['tokens']} | "
                        + " | ".join(f"{gaps.get(k, 0):.0f}" for k in ops)
                        + f" | {sum(r['ops'].values()):.0f} | {sum(gaps.values()):.0f} |")
+    dense = slowest and by[("dense", slowest["start"], slowest["tokens"])]
+    if slowest and slowest.get("kernels") and dense.get("kernels"):  # which kernels the slowest chunk's time is
+        out += ["", f"The longest kernels of that chunk's replay ({slowest['profile']}, {slowest['tokens']} tokens at "
+                f"start {slowest['start']}) and of dense's (us summed over the layers, launches):", "",
+                "| profile | op | kernel | us | launches |", "|---|---|---|---|---|"]
+        for row in (slowest, dense):
+            out += [f"| {row['profile']} | {op} | `{name[:60]}` | {us:.0f} | {n} |"
+                    for op, name, us, n in row["kernels"][:12]]
     return "\n".join(out) + "\n"
 
 

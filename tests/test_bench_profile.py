@@ -147,6 +147,21 @@ def test_prefill_chunk_markdown_gives_each_ops_idle_time_and_the_replays_totals(
     assert "| dense | 0 | 100 | 30 | 2 | 800 | 32 |" in md
 
 
+def test_prefill_chunk_markdown_lists_the_slowest_chunks_kernels_and_denses():
+    from bench import prefill
+    row = lambda name, ms, kernels: dict(profile=name, start=0, tokens=100, eager_ms=9.0, graph_ms=ms, host_ms=4.0,
+                                         ops={"attn_norm": 1.0}, gaps={}, kernels=kernels, ms_per_1k=50.0)
+    rec = dict(gpu="GPU", torch="t", triton="tr", date="d", command="c", model="m", timing="t", starts=[0],
+               lengths=[100], rows=[row("dense", 5.0, [["gate_up", "nvjet_a", 1900.0, 32]]),
+                                    row("WIDE 50/50", 6.0, [["attn_norm", "_norm_route_part_kernel", 600.0, 32],
+                                                            ["attn_norm", "splitKreduce", 250.0, 32]]),
+                                    row("WIDE 75/25", 5.5, [["gate_up", "nvjet_b", 1.0, 1]])])
+    md = prefill.markdown(rec)  # the slowest WIDE chunk is 50/50's (0.83x), not 75/25's
+    assert "of that chunk's replay (WIDE 50/50, 100 tokens at start 0)" in md, md
+    assert "| WIDE 50/50 | attn_norm | `splitKreduce` | 250 | 32 |" in md
+    assert "| dense | gate_up | `nvjet_a` | 1900 | 32 |" in md and "nvjet_b" not in md
+
+
 def test_prefill_chunk_bench_refuses_a_bad_policy_in_one_line(capsys):
     from bench import prefill
     from conftest import assert_one_line_error, stopped
