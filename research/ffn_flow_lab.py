@@ -6,8 +6,9 @@ Here one grid holds both: its first PA programs take gate+up's items (a live gro
 turn), and as each finishes a group's rows it counts them in done[group]; the next PB programs each own BNB rows of
 down's output and walk the live groups in the same order, each group's weight tile loaded before waiting for that
 group's count, so down's weights stream while gate+up is still running. Down's programs come after gate+up's in the
-grid, so they are dispatched after them and never wait on a program that has not started (the Triton interpreter,
-which runs programs one after another, runs them in that order too). Down's last program zeroes the counts, so the
+grid: GPUs dispatch a grid's programs in order (in practice; CUDA does not promise it), so none waits on a program
+that cannot start, and gate+up's programs never wait (the Triton interpreter runs programs one after another, in
+that order). Down's last program zeroes the counts, so the
 launch can be replayed in a CUDA graph. Timed against the same code as two launches (ROLE 1 then ROLE 2) and the
 shipped pair (kernels.gemm_mn's decode GEMV with w_up, kernels.gemm_k), on CUDA-graph replay over rotating weights.
 
