@@ -17,7 +17,6 @@ shipped pair (kernels.gemm_mn's decode GEMV with w_up, kernels.gemm_k), on CUDA-
 
 Config tuples: (PA, BNA, BKA, BNB, num_warps), PA in programs per SM.
 """
-import argparse
 import os
 
 import torch
@@ -26,7 +25,8 @@ import triton.language as tl
 
 import cli
 import kernels
-from bench.common import graph_ms, meta, save
+from bench.common import graph_ms
+from research.lab import cells, lab_main, lab_row
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP else "cuda"
@@ -171,16 +171,12 @@ def sweep(copies=8):
             flow = Flow(D, I, gs, torch.bfloat16, DEV)
             timed += [(f"lab, two launches {cfg}", cfg, lambda p, f=flow, c=cfg: f(*p[:5], live, c, False)),
                       (f"lab, one launch {cfg}", cfg, lambda p, f=flow, c=cfg: f(*p[:5], live, c, True))]
-        for name, cfg, fn in timed:
-            try:
-                if cfg is not None:
-                    check(D, I, gs, skipped, cfg)
-                us = graph_ms(False, [lambda p=p, fn=fn: fn(p) for p in probs]) * 1e3
-                row = dict(skipped=skipped, kernel=name, us=us, tb_s=live_bytes / us / 1e6)
-            except Exception as e:  # noqa: BLE001  (a config that does not fit: the next may)
-                row = dict(skipped=skipped, kernel=name, err=f"{type(e).__name__}: {str(e)[:200]}")
-            print(row, flush=True)
-            rows.append(row)
+        def measure(cfg, fn):
+            if cfg is not None:
+                check(D, I, gs, skipped, cfg)
+            us = graph_ms(False, [lambda p=p: fn(p) for p in probs]) * 1e3
+            return dict(us=us, tb_s=live_bytes / us / 1e6)
+        rows += [lab_row(dict(skipped=skipped), name, lambda: measure(cfg, fn)) for name, cfg, fn in timed]
     return rows
 
 
@@ -191,27 +187,18 @@ def markdown(m, rows):
              "live weight bytes (gate, up and down) per second. Lab config: (programs per SM for gate+up, its rows "
              "per item, its K step, down's rows per program, num_warps).", "",
              "| skipped | kernel | us | TB/s of live weights |", "|---|---|---|---|"]
-    for r in rows:
-        cells = ("failed: " + r["err"][:80], "") if "err" in r else (f"{r['us']:.1f}", f"{r['tb_s']:.2f}")
-        lines.append(f"| {r['skipped']:.0%} | {r['kernel']} | {cells[0]} | {cells[1]} |")
+    lines += [f"| {r['skipped']:.0%} | {r['kernel']} | " + " | ".join(cells(r, ("us", ".1f"), ("tb_s", ".2f"))) + " |"
+              for r in rows]
     return "\n".join(lines) + "\n"
 
 
+def on_cpu():
+    for skipped in (0.0, 0.5, 1.0):
+        print(skipped, check(48, 96, 16, skipped, (3, 8, 16, 16, 4)))
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.parse_args(argv)
-    if not INTERP and not torch.cuda.is_available():
-        raise cli.UserError("research.ffn_flow_lab times kernels on a CUDA GPU; on a CPU run it with "
-                            "TRITON_INTERPRET=1 (the lab kernel against its twin, no timing)")
-    if INTERP:
-        for skipped in (0.0, 0.5, 1.0):
-            print(skipped, check(48, 96, 16, skipped, (3, 8, 16, 16, 4)))
-        return
-    rows = sweep()
-    m = meta(False, "-m research.ffn_flow_lab", argv or [])
-    md = markdown(m, rows)
-    save(f"results/ffn_flow_lab_{'h200' if 'H200' in m['gpu'] else 'h100'}", dict(meta=m, rows=rows), md)
-    print(md)
+    lab_main(argv, __doc__, "ffn_flow_lab", on_cpu, sweep, markdown)
 
 
 if __name__ == "__main__":

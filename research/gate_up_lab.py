@@ -14,7 +14,6 @@ every channel) is the dense side.
 Config tuples: (BN, BK, num_warps, num_stages, gather); gather 0 reads each tile's tokens as consecutive rows
 instead of through the layout's permutation (wrong values; it times what the gathered loads cost).
 """
-import argparse
 import os
 
 import torch
@@ -26,7 +25,8 @@ import cli
 import kernels
 import kernels_base
 import kernels_layout
-from bench.common import bench_ms, meta, save
+from bench.common import bench_ms
+from research.lab import cells, lab_main, lab_row
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP else "cuda"
@@ -120,16 +120,12 @@ def sweep():
                      x, wgu[:I], kernels_layout.layout(mask), gs, w_up=wgu[I:]))]
         timed += [(f"lab {cfg}", cfg, lambda cfg=cfg: run_lab(x, wi, kernels_layout.layout(mask), gs, cfg))
                   for cfg in CONFIGS]
-        for name, cfg, fn in timed:
-            try:
-                if cfg is not None and cfg[4]:  # (gather 0 computes the wrong rows on purpose)
-                    check(T, I, K, gs, skipped, cfg, kernels_base.CONFIGS["block_m"])
-                us = bench_ms(False, fn) * 1e3
-                row = dict(tokens=T, skipped=skipped, kernel=name, us=us, tflops=flops / us / 1e6)
-            except Exception as e:  # noqa: BLE001  (a tile that does not fit: the next may)
-                row = dict(tokens=T, skipped=skipped, kernel=name, err=f"{type(e).__name__}: {str(e)[:200]}")
-            print(row, flush=True)
-            rows.append(row)
+        def measure(cfg, fn):
+            if cfg is not None and cfg[4]:  # (gather 0 computes the wrong rows on purpose)
+                check(T, I, K, gs, skipped, cfg, kernels_base.CONFIGS["block_m"])
+            us = bench_ms(False, fn) * 1e3
+            return dict(us=us, tflops=flops / us / 1e6)
+        rows += [lab_row(dict(tokens=T, skipped=skipped), name, lambda: measure(cfg, fn)) for name, cfg, fn in timed]
     return rows
 
 
@@ -139,27 +135,19 @@ def markdown(meta, rows):
              "bf16, random (token, group) masks; do_bench medians, L2 flushed, the layout included. TFLOP/s: the live "
              "products (cuBLAS: all of them) per second. Lab config: (BN, BK, num_warps, num_stages, gather).", "",
              "| tokens | skipped | kernel | us | TFLOP/s of live products |", "|---|---|---|---|---|"]
-    for r in rows:
-        cells = ("failed: " + r["err"][:80], "") if "err" in r else (f"{r['us']:.1f}", f"{r['tflops']:.0f}")
-        lines.append(f"| {r['tokens']} | {r['skipped']:.0%} | {r['kernel']} | {cells[0]} | {cells[1]} |")
+    lines += [f"| {r['tokens']} | {r['skipped']:.0%} | {r['kernel']} | " + " | ".join(cells(r, ("us", ".1f"), (
+        "tflops", ".0f"))) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
+def on_cpu():
+    for skipped in (0.0, 0.5, 1.0):
+        print(skipped, check(40, 64, 64, 32, skipped, (16, 32, 4, 2, 1), 16))
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.parse_args(argv)
-    if not INTERP and not torch.cuda.is_available():
-        raise cli.UserError("research.gate_up_lab times kernels on a CUDA GPU; on a CPU run it with TRITON_INTERPRET=1 "
-                            "(the lab kernel against its twin, no timing)")
-    if INTERP:
-        for skipped in (0.0, 0.5, 1.0):
-            print(skipped, check(40, 64, 64, 32, skipped, (16, 32, 4, 2, 1), 16))
-        return
-    rows = sweep()
-    m = meta(False, "-m research.gate_up_lab", argv or [])
-    md = markdown(m, rows)
-    save(f"results/gate_up_lab_{'h200' if 'H200' in m['gpu'] else 'h100'}", dict(meta=m, rows=rows), md)
-    print(md)
+    lab_main(argv, __doc__, "gate_up_lab", on_cpu, sweep, markdown)
+
 
 if __name__ == "__main__":
     cli.run(main)

@@ -1,5 +1,5 @@
 """research/gate_up_lab.py: its lab kernel (gate and up interleaved, one product per K step) equals the twin of the
-shipped gate+up tile, and the lab stops in one line without a GPU."""
+shipped gate+up tile, and each kernel lab (this one, ffn_flow_lab) stops in one line without a GPU."""
 import os
 import subprocess
 import sys
@@ -24,9 +24,18 @@ def test_interleave_puts_gate_and_up_rows_in_pairs():
     assert torch.equal(wi[0::2], gate) and torch.equal(wi[1::2], up)
 
 
-def test_lab_without_a_gpu_stops_in_one_line():
+@pytest.mark.parametrize("lab", ["research.gate_up_lab", "research.ffn_flow_lab"])
+def test_each_kernel_lab_without_a_gpu_stops_in_one_line(lab):  # (research.lab.lab_main, shared)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    r = subprocess.run([sys.executable, "-m", "research.gate_up_lab"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", lab], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and r.stderr.strip().count("\n") == 0 and "TRITON_INTERPRET=1" in r.stderr
+
+
+def test_a_labs_table_row_gives_its_numbers_or_the_error_of_a_variant_that_does_not_fit():
+    from research.lab import cells, lab_row
+    ok = lab_row(dict(skipped=0.5), "fits", lambda: dict(us=30.0, tb_s=2.9))
+    bad = lab_row(dict(skipped=0.5), "too big", lambda: 1 / 0)
+    assert cells(ok, ("us", ".1f"), ("tb_s", ".2f")) == ["30.0", "2.90"]
+    assert bad["kernel"] == "too big" and bad["err"].startswith("ZeroDivisionError")
+    assert cells(bad, ("us", ".1f"), ("tb_s", ".2f")) == ["failed: ZeroDivisionError: division by zero", ""]

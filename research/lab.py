@@ -1,0 +1,45 @@
+"""What the kernel labs share (gate_up_lab, ffn_flow_lab): a sweep's rows and their command line."""
+import argparse
+import os
+
+import torch
+
+import cli
+from bench.common import meta, save
+
+
+def lab_main(argv, doc, name, on_cpu, sweep, markdown):
+    """python -m research.<name>: on a GPU, sweep() -> rows -> results/<name>_<gpu>.{json,md} (markdown(meta, rows));
+    under TRITON_INTERPRET=1, on_cpu() (the lab kernel against its twin, no timing); else one line and a non-zero
+    exit."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.parse_args(argv)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not interpreted and not torch.cuda.is_available():
+        raise cli.UserError(f"research.{name} times kernels on a CUDA GPU; on a CPU run it with TRITON_INTERPRET=1 "
+                            "(the lab kernel against its twin, no timing)")
+    if interpreted:
+        return on_cpu()
+    rows = sweep()
+    m = meta(False, f"-m research.{name}", argv or [])
+    md = markdown(m, rows)
+    save(f"results/{name}_{'h200' if 'H200' in m['gpu'] else 'h100'}", dict(meta=m, rows=rows), md)
+    print(md)
+
+
+def lab_row(keys, name, measure):
+    """One row of a lab's sweep: keys, the kernel's name and measure()'s numbers, or the error of a variant that
+    does not fit (the next may), printed as it comes."""
+    try:
+        row = dict(keys, kernel=name, **measure())
+    except Exception as e:  # noqa: BLE001
+        row = dict(keys, kernel=name, err=f"{type(e).__name__}: {str(e)[:200]}")
+    print(row, flush=True)
+    return row
+
+
+def cells(row, *formats):
+    """A row's table cells: its numbers as formatted ({field: format}), or its error and blanks."""
+    if "err" in row:
+        return ["failed: " + row["err"][:80]] + [""] * (len(formats) - 1)
+    return [format(row[k], f) for k, f in formats]
