@@ -8,9 +8,9 @@ down's output and walk the live groups in the same order, each group's weight ti
 group's count, so down's weights stream while gate+up is still running. Down's programs come after gate+up's in the
 grid: GPUs dispatch a grid's programs in order (in practice; CUDA does not promise it), so none waits on a program
 that cannot start, and gate+up's programs never wait (the Triton interpreter runs programs one after another, in
-that order). Down's last program zeroes the counts, so the
-launch can be replayed in a CUDA graph. Timed against the same code as two launches (ROLE 1 then ROLE 2) and the
-shipped pair (kernels.gemm_mn's decode GEMV with w_up, kernels.gemm_k), on CUDA-graph replay over rotating weights.
+that order). Down's last program zeroes the counts, so the launch can be replayed in a CUDA graph. Timed against
+the same code as two launches (ROLE 1 then ROLE 2) and the shipped pair (kernels.gemm_mn's decode GEMV with w_up,
+kernels.gemm_k), on CUDA-graph replay over rotating weights.
 
     python -m research.ffn_flow_lab                   # -> results/ffn_flow_lab_<gpu>.{json,md}
     TRITON_INTERPRET=1 python -m research.ffn_flow_lab   # the lab kernel against its twin on the CPU, small sizes
@@ -25,6 +25,7 @@ import triton.language as tl
 
 import cli
 import kernels
+from kernels_step import live_ref
 from bench.common import graph_ms
 from research.lab import cells, lab_main, lab_row
 
@@ -81,12 +82,6 @@ def lab_ffn_flow(x, wg, wu, wd, res, h, out, live, done, finished, D, I, PA, PB,
             tl.atomic_xchg(finished, 0)
 
 
-def live_list(keep):
-    """bool [G] -> int32 [1 + G]: the number of live groups, those groups ascending, then the others."""
-    on, off = keep.nonzero().flatten(), (~keep).nonzero().flatten()
-    return torch.cat([torch.tensor([on.numel()], device=keep.device), on, off]).to(torch.int32)
-
-
 class Flow:
     """The lab's buffers for one FFN: h, the counts and the ticket (zeros the kernel leaves zero)."""
 
@@ -140,7 +135,7 @@ def check(D, I, gs, skipped, cfg, seed=1):
     dtype = torch.float32 if INTERP else torch.bfloat16
     x, wg, wu, wd, res, keep = problem(D, I, gs, skipped, dtype, seed, poison=True)
     ref = reference(x, wg, wu, wd, res, keep, gs)
-    flow, live = Flow(D, I, gs, dtype, x.device), live_list(keep)
+    flow, live = Flow(D, I, gs, dtype, x.device), live_ref(keep)
     errs = []
     for one_launch in (True, True, False):
         flow.h.fill_(float("nan"))  # a dead group's h is never written: reading it would make NaN
@@ -161,7 +156,7 @@ def sweep(copies=8):
     for skipped in (0.5, 0.0):
         probs = [problem(D, I, gs, skipped, torch.bfloat16, seed=s) for s in range(copies)]
         keep = probs[0][-1]
-        live, mask = live_list(keep), keep[None]
+        live, mask = live_ref(keep), keep[None]
         tickets = torch.zeros(4096, dtype=torch.int32, device=DEV)
         live_bytes = 3 * D * I * 2 * (1 - skipped)
         timed = [("shipped: gemm_mn GEMV (w_up) + gemm_k", None, lambda p: kernels.gemm_k(

@@ -2,7 +2,6 @@
 two, equals the fp64 twin, reads no skipped group's weights (they are NaN) or h (NaN before each launch), leaves its
 counts zero for the next launch (without a GPU it stops in one line: tests/test_gate_up_lab.py)."""
 import pytest
-import torch
 
 from research import ffn_flow_lab as lab
 
@@ -16,8 +15,3 @@ def test_flow_kernel_equals_the_twin_one_launch_and_two(cfg, skipped):
 
 def test_flow_kernel_at_one_live_group_and_every_item_on_one_program():
     assert lab.check(32, 64, 16, 0.75, (1, 4, 32, 32, 4)) < (1e-5 if lab.INTERP else 1e-2)
-
-
-def test_live_list_counts_the_live_groups_then_lists_them_first():
-    keep = torch.tensor([False, True, False, True])
-    assert lab.live_list(keep).tolist() == [2, 1, 3, 0, 2]
