@@ -496,6 +496,10 @@ def _norm_route_part_kernel(x, res, h_out, wd, part_ss, part_z, M, D, R, HAS_RES
     tok = t < M
     kk = tl.arange(0, BK)
     rr = tl.arange(0, RP)
+    if BK == DS:  # one step per slice: its router weights (no kernel writes them) load before the wait, so
+        # under PDL their latency hides behind the previous kernel's last programs
+        w_slice = tl.load(wd + rr[:, None] * D + s * DS + kk[None, :],
+                          mask=(rr < R)[:, None] & (s * DS + kk < D)[None, :], other=0.0)
     prior_done(PDL)
     z = tl.zeros([BT, RP], tl.float32)
     ss = tl.zeros([BT], tl.float32)
@@ -506,8 +510,11 @@ def _norm_route_part_kernel(x, res, h_out, wd, part_ss, part_z, M, D, R, HAS_RES
             tl.store(h_out + offs, hv, mask=ok)
         hf = hv.to(tl.float32)
         ss += tl.sum(hf * hf, 1)
-        w = tl.load(wd + rr[:, None] * D + k0 + kk[None, :], mask=(rr < R)[:, None] & (k0 + kk < D)[None, :],
-                    other=0.0)
+        if BK == DS:
+            w = w_slice
+        else:
+            w = tl.load(wd + rr[:, None] * D + k0 + kk[None, :], mask=(rr < R)[:, None] & (k0 + kk < D)[None, :],
+                        other=0.0)
         z = tl.dot(hf, tl.trans(w), z, input_precision=PREC)
     tl.store(part_ss + s * M + t, ss, mask=tok)
     tl.store(part_z + (s * M + t)[:, None] * RP + rr[None, :], z, mask=tok[:, None])

@@ -171,12 +171,13 @@ def test_norm_route_kernel_skips_when_the_skip_logit_is_larger():
 # A prefill chunk's norm + router: D split into slices of DS columns, then the slices' sums added up
 # (kernels_step._norm_route_part_kernel, _norm_route_finish_kernel). (B, T, D, G, config): one token past the
 # split kernel's limit in 5 tiles, the last of one token; D a multiple of neither DS nor BK (a short last
-# slice); one slice for all of D; wider tiles and a G that is no power of two.
+# slice); one slice for all of D; wider tiles and a G that is no power of two; one step per slice (BK = DS).
 SPLIT_D = [(1, policy.NORM_ROUTE_SPLIT_MAX_TOKENS + 1, 64, 4, None),
            (2, 37, 100, 4, dict(BT=16, BK=16, DS=32, FINISH_BK=32)),
            (1, 70, 96, 4, dict(BT=16, BK=32, DS=96, FINISH_BK=32)),
            (3, 30, 160, 7, dict(BT=32, BK=16, DS=64, FINISH_BK=16)),
-           (1, policy.NORM_ROUTE_SHORT_MAX_TOKENS + 1, 64, 4, None)]  # past the short chunks' sizes
+           (1, policy.NORM_ROUTE_SHORT_MAX_TOKENS + 1, 64, 4, None),  # past the short chunks' sizes
+           (1, 70, 100, 4, dict(BT=16, BK=32, DS=32, FINISH_BK=32))]  # one step per slice (weights before the wait)
 
 
 def test_prefill_norm_route_sizes_short_chunks_by_their_own_config_key():
@@ -199,7 +200,7 @@ def split_d_case(B, T, D, G, config, scale, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("B, T, D, G, config", SPLIT_D,
-                         ids=["65 tokens", "D=100", "one slice", "BT=32, G=7", "257 tokens"])
+                         ids=["65 tokens", "D=100", "one slice", "BT=32, G=7", "257 tokens", "BK=DS"])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("scale", [4.0, 1e-3])  # 1e-3: mean square ~1e-6, where eps = 1e-5 matters
 def test_prefill_norm_route_splits_d_and_matches_twin_and_the_router_itself(launches, B, T, D, G, config,

@@ -421,16 +421,18 @@ def test_swiglu_never_reads_the_gate_or_up_of_a_pruned_channel(kind, M, fp8):
 
 
 
+@pytest.mark.parametrize("BK", [16, 32], ids=["two steps per slice", "one step per slice"])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_prefill_norm_route_reads_each_row_once_and_the_routers_weights_once_per_token_tile(with_residual):
-    # kernels_step's D-split pair on 37 tokens, D = 100 in slices of 32 (the last one short), tiles of 16
+def test_prefill_norm_route_reads_each_row_once_and_the_routers_weights_once_per_token_tile(with_residual, BK):
+    # kernels_step's D-split pair on 37 tokens, D = 100 in slices of 32 (the last one short), tiles of 16; with
+    # BK = 32 a slice's router weights are one load before the wait
     M, D, BT = 37, 100, 16
     torch.manual_seed(0)
     r, norm = wide.Router(D, 4, 32).eval(), RMSNorm(D, 1e-5)
     x, res = randn(1, M, D, seed=1), randn(1, M, D, seed=2)
     with recorded_loads() as rec, torch.no_grad():
         kernels_step.norm_route(x, norm, r, res if with_residual else None,
-                                config=dict(BT=BT, BK=16, DS=32, FINISH_BK=32), split_max_tokens=0)
+                                config=dict(BT=BT, BK=BK, DS=32, FINISH_BK=32), split_max_tokens=0)
     once = torch.ones(M, D, dtype=torch.long)
     assert torch.equal(rec.reads("_norm_route_part_kernel", "x"), once)
     assert torch.equal(rec.reads("_norm_route_part_kernel", "res"), once)  # (without a residual: x itself)
