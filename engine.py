@@ -14,6 +14,7 @@ linears quantized once to e4m3, one scale per output channel, read as codes by t
 CUDAGraphDecoder replays a decode step as a CUDA graph (generate.py, serve.py, the benchmarks), CUDAGraphPrefill
 a prefill chunk (serve.py).
 """
+import contextlib
 import time
 from typing import NamedTuple
 
@@ -31,7 +32,7 @@ from kernels_layout import layout
 from dial import CALIB_SEED, CALIB_WINDOWS
 from kernels_step import (norm_route, norm_route_deferred, quantize_rows, quantize_rows_ref, rms_norm, rope_and_store,
                           swiglu_rows)
-from policy import GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE, Plan, Policy, Shape
+from policy import NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE, Plan, Policy, Shape
 from wide import shared_by_vote
 
 
@@ -174,6 +175,13 @@ class Engine:
         self.tickets = torch.zeros(4096, dtype=torch.int32, device=device)
         self.plans = {}  # (Shape, routers) -> Plan: a step's plan is computed once per shape
         self.constant_masks = {}  # (M, G) -> an all-True mask, for the dense model's ops through WIDE's kernels
+        # The plan's "norm_then_router_side" routers run here (torch ops only: no kernel that takes a ticket)
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def join(self, norm_op):
+        """Before the first read of a mask its router made on the side stream: the layer waits for it there."""
+        if norm_op.kind.endswith("_side") and self.side is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
 
     def setup_caches(self, *args, **kwargs):
         return self.model.setup_caches(*args, **kwargs)
@@ -293,10 +301,14 @@ class Engine:
             tile = pol.router_split_tile if x.shape[0] * x.shape[1] > NORM_ROUTE_SPLIT_MAX_TOKENS else NORM_ROUTE_TILE
             normed, keep, keepf, live = norm_route(x, norm, router, residual, self.tickets,
                                                    split_max_tokens=pol.router_split_max_tokens, tile_tokens=tile)
-        else:  # "norm_then_router"
+        else:  # "norm_then_router" (its own side stream: "norm_then_router_side")
             normed = rms_norm(x, norm, residual)
-            keepf = router(x if residual is None else normed[0])  # at inference exactly 0 or 1
-            keep = keepf > 0.5
+            side = self.side if op.kind.endswith("_side") else None
+            if side is not None:  # it starts once the norm has written h; the layer joins it (self.join)
+                side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                keepf = router(x if residual is None else normed[0])  # at inference exactly 0 or 1
+                keep = keepf > 0.5
         if vote is not None:
             keepf = shared_by_vote(keepf.float(), vote)
             keep, live = keepf > 0.5, None  # the vote changed the mask: the kernels list its groups themselves
@@ -390,6 +402,7 @@ class Engine:
                                                enable_gqa=Hkv != H)
         y = y.transpose(1, 2)  # [B, T, H, d], laid out for O by the copy below
         if zeroed:  # the same copy zeroes the pruned heads: [B, T, G groups, H / G heads, d]
+            self.join(ops["attn_norm"])
             y = torch.where(head_mask.view(B, T, -1, 1, 1), y.view(B, T, head_mask.shape[-1], -1, d), 0)
         y = y.reshape(M, H * d)  # pruned heads are exact zeros here
         op = ops["o"]
@@ -416,6 +429,7 @@ class Engine:
         if op.kind in ("cublas", "cublas_masked"):
             gu = self.matmul(x2, layer, "gu", op)  # gate and up in one GEMM
             pruned = mask if op.kind == "cublas_masked" else None
+            self.join(ops["ffn_norm"])
             if ops["down"].weights == "fp8 x fp8":  # silu(gate) * up and the zeros, as down's fp8 input: one launch
                 a = quantize_rows(gu, swiglu=True, mask=pruned, group_size=gs if pruned is not None else 0)
             else:  # silu(gate) * up and the pruned groups' zeros: one launch
@@ -444,9 +458,9 @@ class Engine:
 
     @torch.no_grad()
     def warm_prefill(self, chunk, positions):
-        """One prefill chunk of every shape a server sends (warm_chunks), into row 0 of the cache set up now,
-        positions < `positions`; the caller clears that row after. Returns how many chunks ran."""
-        shapes = warm_chunks(chunk, positions, self.policy)
+        """One prefill chunk of every shape a server sends (Policy.warm_chunks), into row 0 of the cache set up
+        now, positions < `positions`; the caller clears that row after. Returns how many chunks ran."""
+        shapes = self.policy.warm_chunks(chunk, positions)
         device = self.tickets.device
         for T, start in shapes:
             idx = torch.zeros(1, T, dtype=torch.long, device=device)
@@ -467,34 +481,6 @@ class Engine:
         if (M, G) not in self.constant_masks:
             self.constant_masks[M, G] = torch.ones(M, G, dtype=torch.bool, device=self.tickets.device)
         return self.constant_masks[M, G]
-
-
-def warm_chunks(chunk, positions, policy):
-    """(tokens, start) of the prefill chunks a server runs before its first request (Engine.warm_prefill) so
-    that no chunk it serves later compiles a Triton kernel inside a request's latency. A served prompt of P
-    tokens runs chunks of `chunk` tokens from start 0, then a remainder: any length 1..chunk, at start 0 or at
-    a multiple of `chunk` (a slot holds `positions` of them). Triton compiles a kernel once per set of
-    constexpr values and per class of each int argument (1, a multiple of 16, other). So: every length up to the
-    decode-sized paths' limits (those kernels keep their token count specialized, and the plan changes at the
-    policy's small thresholds); beyond, the prefill kernels take token counts and starts unspecialized
-    (do_not_specialize) and what still varies is a constexpr bucket (the layout's next power of two) or a plan
-    threshold: each bucket's longest length and the one below it, each threshold's neighbours; each at start 0
-    and at start `chunk`, where the plan differs (dense: SDPA at 0, the prefill kernel after; a one-token chunk
-    after 0 runs as a decode step)."""
-    small = max(2 * GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS + 1, policy.sparse_decode_max_tokens + 1,
-                policy.dense_gemv_max_tokens + 1)
-    out = []
-    for start in (0, chunk):
-        room = min(chunk, positions - start)  # the longest chunk at this start
-        thresholds = (policy.sparse_prefill_min_tokens, policy.router_max_tokens, policy.fp8_scaled_mm_min_tokens,
-                      policy.router_split_max_tokens, policy.live_attention_min_tokens)
-        lengths = set(range(1, small + 1)) | {t + d for t in thresholds for d in (-1, 0, 1)}
-        p = 1
-        while p < 2 * room:  # each power-of-two bucket up to room's: its longest length and the one below
-            lengths |= {min(p, room), min(p, room) - 1}
-            p *= 2
-        out += [(T, start) for T in sorted(lengths) if 1 <= T <= room]
-    return out
 
 
 def dense_group(n):

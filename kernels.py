@@ -199,7 +199,7 @@ def _w_slice(wp, k0, kk, K, EVEN_K: tl.constexpr):
     return b
 
 
-@triton.jit(do_not_specialize=["M", "NT"])  # token counts: see engine.warm_chunks
+@triton.jit(do_not_specialize=["M", "NT"])  # token counts: see Policy.warm_chunks
 def _gemm_mn_kernel(x, w, w_up, out, counts, perm, work, M, N, K, NT, sxm, swn, som,
                     GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     FUSED: tl.constexpr, ZERO: tl.constexpr, EVEN_K: tl.constexpr,

@@ -63,7 +63,7 @@ def _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, start, pos, kv_end, qk_scal
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["T", "MT"])  # chunk lengths: see engine.warm_chunks
+@triton.jit(do_not_specialize=["T", "MT"])  # chunk lengths: see Policy.warm_chunks
 def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT, start, LK,
                          sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, qk_scale,
                          HPG: tl.constexpr, HPK: tl.constexpr, PACK: tl.constexpr,

@@ -39,7 +39,7 @@ def layout_ref(mask, block_m):
                   mask3.sum(1, dtype=torch.int32), block_m, B)
 
 
-@triton.jit(do_not_specialize=["T", "M"])  # token counts: see engine.warm_chunks
+@triton.jit(do_not_specialize=["T", "M"])  # token counts: see Policy.warm_chunks
 def _layout_kernel(mask, counts, bcounts, perm, T, G, M, BLOCK: tl.constexpr):
     """Stable partition of one group's tokens (the routing layout), by prefix sums.
 

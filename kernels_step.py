@@ -233,7 +233,7 @@ def _rotate(src, dst, ok, c1, c2, s1, s2, HALF: tl.constexpr):
     tl.store(dst + HALF, (a2 * c2 + a1 * s2).to(x1.dtype).to(dst.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["T"])  # chunk lengths: see engine.warm_chunks
+@triton.jit(do_not_specialize=["T"])  # chunk lengths: see Policy.warm_chunks
 def _rope_kernel(q, k, v, cos, sin, slot, q_out, k_dst, v_dst, T, H, HKV, sq, sk, sdb, sdh, sdt,
                  HP: tl.constexpr, HKP: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
     """RoPE for every head of one token. Grid (B*T,): the query heads go to q_out; the key heads, and
@@ -478,7 +478,7 @@ def _norm_route_kernel(x, res, h_out, y, nw, eps, wd, bd, z, wu, bu, keep, keepf
                 store_live(live, any_run, g, G)  # once per router decision: gemm_k's decode tile visits only its groups
 
 
-@triton.jit(do_not_specialize=["M"])  # chunk lengths: see engine.warm_chunks
+@triton.jit(do_not_specialize=["M"])  # chunk lengths: see Policy.warm_chunks
 def _norm_route_part_kernel(x, res, h_out, wd, part_ss, part_z, M, D, R, HAS_RES: tl.constexpr, BT: tl.constexpr,
                             BK: tl.constexpr, DS: tl.constexpr, RP: tl.constexpr, PREC: tl.constexpr,
                             PDL: tl.constexpr):
@@ -520,7 +520,7 @@ def _norm_route_part_kernel(x, res, h_out, wd, part_ss, part_z, M, D, R, HAS_RES
     tl.store(part_z + (s * M + t)[:, None] * RP + rr[None, :], z, mask=tok[:, None])
 
 
-@triton.jit(do_not_specialize=["M"])  # chunk lengths: see engine.warm_chunks
+@triton.jit(do_not_specialize=["M"])  # chunk lengths: see Policy.warm_chunks
 def _norm_route_finish_kernel(h, y, nw, eps, bd, wu, bu, part_ss, part_z, keep, keepf, M, D, R, G, S,
                               BT: tl.constexpr, BK: tl.constexpr, DS: tl.constexpr, RP: tl.constexpr,
                               BG: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):

@@ -53,6 +53,8 @@ KINDS = {
     "norm_route_deferred": "RMSNorm + the router's first Linear in one launch (norm_route_deferred), residual add "
                            "fused; the decode GEMV after it applies the rule and writes the mask",
     "norm_then_router": "RMSNorm (rms_norm), then the router module itself (two fp32 GEMMs)",
+    "norm_then_router_side": "RMSNorm (rms_norm), then the router module on a side stream, beside the GEMMs that do "
+                             "not read its mask; the layer waits for it where the mask is first read",
     "norm_fp8": "RMSNorm (rms_norm), its output as per-token fp8 rows for _scaled_mm, in the same launch",
     "layout": "mask reordering: per group, its live tokens first (layout + work list)",
     "gemv": "the live groups' weight rows only (gemm_mn's decode GEMV, its live-group list); K and V as its dense tail; "
@@ -145,6 +147,10 @@ class Policy:
     # the live-tile kernel cost more than they skip; below sparse_prefill_min_tokens nothing else reads the layout.
     # 0: the live tiles at every length. (results/prefill_chunks_h100_every_head.md against the live tiles)
     live_attention_min_tokens: int = 1024
+    # Where a prefill chunk reads a router's mask only after its GEMMs (attention over every head then the pruned
+    # heads zeroed; gate+up on cuBLAS then the pruned groups zeroed), the router module runs on a side CUDA
+    # stream beside them instead of before them (on a CPU, in line). bench.prefill --policy times both.
+    router_side_stream: bool = False
 
     def plan(self, shape, routers):
         """The whole step: routers is one (attn, ffn) pair per layer, each None (no router), "wide" (a
@@ -158,6 +164,33 @@ class Policy:
         step["step_norm"] = Op("norm", "Triton", kernels=("rms_norm_kernel",))
         step["step_head"] = Op("cublas", "cuBLAS", shape.dtype)
         return Plan(shape, step, layers)
+
+    def warm_chunks(self, chunk, positions):
+        """(tokens, start) of the prefill chunks a server runs before its first request (engine.Engine.warm_prefill)
+        so that no chunk it serves later compiles a Triton kernel inside a request's latency. A served prompt of P
+        tokens runs chunks of `chunk` tokens from start 0, then a remainder: any length 1..chunk, at start 0 or at a
+        multiple of `chunk` (a slot holds `positions` of them). Triton compiles a kernel once per set of constexpr
+        values and per class of each int argument (1, a multiple of 16, other). So: every length up to the decode-
+        sized paths' limits (those kernels keep their token count specialized, and the plan changes at the policy's
+        small thresholds); beyond, the prefill kernels take token counts and starts unspecialized
+        (do_not_specialize) and what still varies is a constexpr bucket (the layout's next power of two) or a plan
+        threshold: each bucket's longest length and the one below it, each threshold's neighbours; each at start 0
+        and at start `chunk`, where the plan differs (dense: SDPA at 0, the prefill kernel after; a one-token chunk
+        after 0 runs as a decode step)."""
+        small = max(2 * GEMV_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS + 1, self.sparse_decode_max_tokens + 1,
+                    self.dense_gemv_max_tokens + 1)
+        out = []
+        for start in (0, chunk):
+            room = min(chunk, positions - start)  # the longest chunk at this start
+            thresholds = (self.sparse_prefill_min_tokens, self.router_max_tokens, self.fp8_scaled_mm_min_tokens,
+                          self.router_split_max_tokens, self.live_attention_min_tokens)
+            lengths = set(range(1, small + 1)) | {t + d for t in thresholds for d in (-1, 0, 1)}
+            p = 1
+            while p < 2 * room:  # each power-of-two bucket up to room's: its longest length and the one below
+                lengths |= {min(p, room), min(p, room) - 1}
+                p *= 2
+            out += [(T, start) for T in sorted(lengths) if 1 <= T <= room]
+        return out
 
     def layer_plan(self, shape, attn_router, ffn_router):
         """One layer's ops in the order they run, {op name: Op} (an op that does not run is absent). Each op is
@@ -187,6 +220,13 @@ class Policy:
             if ops[norm].kind == "norm" and ops[linear].weights == "fp8 x fp8":  # the norm quantizes the input
                 ops[norm] = Op("norm_fp8", "Triton", kernels=("rms_norm_kernel",))
                 ops[linear] = ops[linear]._replace(kernels=())
+        if self.router_side_stream and not shape.decode:
+            for norm, late in (("attn_norm", "attn_layout" not in ops and ops["qkv"].kind == "cublas_every_head"
+                                and ops["attention"].kind.endswith("_zeroed")),
+                               ("ffn_norm", ops["gate_up"].kind == "cublas_masked")):
+                if late and ops[norm].kind in ("norm_route", "norm_then_router"):
+                    ops[norm] = Op("norm_then_router_side", "Triton + torch (side stream)",
+                                   kernels=("rms_norm_kernel",))
         return {name: ops[name] for name in LAYER_OPS if name in ops}
 
     def scaled_mm(self, shape):

@@ -214,9 +214,15 @@ def counts(lo):
 
 def policy_of(text):
     """--policy NAME=VALUE,...: Policy fields other than their defaults."""
+    def value(name, v):  # the field's own type; a bool from true / false (bool("false") would be True)
+        kind = type(getattr(Policy(), name))
+        if kind is bool and v.lower() not in ("true", "false"):
+            raise ValueError(f"{name} is true or false")
+        return v.lower() == "true" if kind is bool else kind(v)
+
     try:
         fields = dict(kv.split("=") for kv in text.split(","))
-        return Policy(**{k: type(getattr(Policy(), k))(v) for k, v in fields.items()})
+        return Policy(**{k: value(k, v) for k, v in fields.items()})
     except (ValueError, TypeError, AttributeError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: give Policy fields as NAME=VALUE,..., e.g. "
                                          f"router_max_tokens=4096 ({e})")

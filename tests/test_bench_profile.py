@@ -166,6 +166,15 @@ def test_prefill_chunk_bench_refuses_a_bad_policy_in_one_line(capsys):
     from bench import prefill
     from conftest import assert_one_line_error, stopped
     assert_one_line_error(stopped(capsys, prefill.main, "--smoke", "--policy", "no_such=1"), "NAME=VALUE")
+    assert_one_line_error(stopped(capsys, prefill.main, "--smoke", "--policy", "router_side_stream=1"), "true or false")
+
+
+def test_prefill_chunk_bench_reads_policy_fields_in_their_own_types():
+    from bench.prefill import policy_of
+    from policy import Policy
+    assert policy_of("router_side_stream=false") == Policy()
+    assert policy_of("router_side_stream=True,live_attention_min_tokens=64") == Policy(
+        router_side_stream=True, live_attention_min_tokens=64)
 
 
 def test_the_fp8_profile_at_one_token_runs_dense_every_way_the_e2e_bench_times_it():

@@ -85,10 +85,12 @@ def assert_same_masks(a, b):
 SPLIT_ROUTER = Policy(router_split_max_tokens=128)  # a 74-token step on norm_route's split kernel, not its D-split pair
 SPLIT_ROUTER_16 = Policy(router_split_max_tokens=128, router_split_tile=16)  # ... in tiles of 16 tokens
 LIVE_TILES = Policy(live_attention_min_tokens=0)  # a 74-token step's attention over its live (group, tile) items only
+SIDE_ROUTER = Policy(router_side_stream=True)  # the router module after the plain norm (a side stream on a GPU)
 
 
-@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, ALL_DENSE_LINEARS, SPLIT_ROUTER, SPLIT_ROUTER_16, LIVE_TILES],
-                         ids=["default", "all-sparse", "dense-linears", "split-router", "split-router-16", "live-tiles"])
+@pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, ALL_DENSE_LINEARS, SPLIT_ROUTER, SPLIT_ROUTER_16, LIVE_TILES,
+                                    SIDE_ROUTER], ids=["default", "all-sparse", "dense-linears", "split-router",
+                                                       "split-router-16", "live-tiles", "side-router"])
 def test_triton_forward_routes_identically_and_matches_reference_logits(launches, policy):
     m = wide_model()
     idx = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -106,8 +108,10 @@ def test_triton_forward_routes_identically_and_matches_reference_logits(launches
     assert launches.count("gemm_k_kernel") == (2 * len(m.layers) if policy is ALL_SPARSE else 0)
     split = policy in (SPLIT_ROUTER, SPLIT_ROUTER_16)  # the router in the norm's launch, one kernel or the other
     assert launches.count("norm_route_kernel") == (2 * len(m.layers) if split else 0)
+    fused = policy is not SIDE_ROUTER  # (the side stream's router: the module after the plain norm's launch)
+    assert launches.count("rms_norm_kernel") == (0 if fused else 2 * len(m.layers)) + 1  # + the final norm
     for half in ("norm_route_part_kernel", "norm_route_finish_kernel"):  # the prefill chunk's two launches
-        assert launches.count(half) == (0 if split else 2 * len(m.layers))
+        assert launches.count(half) == (0 if split or not fused else 2 * len(m.layers))
     if split:  # the tiles the policy asked for: 74 tokens in tiles of 4 or 16
         tiles = {grid[1] for grid in launches.grids["norm_route_kernel"]}
         assert tiles == {-(-74 // (16 if policy is SPLIT_ROUTER_16 else 4))}
@@ -359,3 +363,35 @@ def test_gpu_pdl_changes_no_bit_of_a_graphed_decode(routers):
         off = run()
     on = run()
     assert torch.equal(on, off), f"PDL changed the logits: max diff {(on.float() - off.float()).abs().max():.3g}"
+
+
+@GPU
+def test_gpu_the_side_streams_router_changes_no_bit_even_when_it_finishes_last():
+    # Policy.router_side_stream: a short chunk's router module runs on a side stream beside the GEMMs, and the
+    # layer waits for it where the mask is first read. Each router first spins for ~1 ms on its stream, so a
+    # read that did not wait would see an unwritten mask; eager chunks and a graphed later chunk must give the
+    # logits of the same router run in line, bit for bit.
+    cfg = ModelConfig(vocab_size=512, dim=1024, n_layers=4, n_heads=8, n_kv_heads=4, intermediate_size=4096,
+                      max_seq_len=600)
+    m = wide_model("cuda", torch.bfloat16, seed=5, std=0.05, cfg=cfg, ffn_group_size=128)
+    idx = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(6)).cuda()
+    for layer in m.layers:
+        for r in (layer.attn_router, layer.ffn_router):
+            r.register_forward_pre_hook(lambda *_: torch.cuda._sleep(2_000_000))
+
+    def run(policy):  # a first chunk, a later one, the later one again as a CUDA graph
+        e = engine.Engine(m, policy)
+        assert e.step_plan(100, False, 200).layers[0]["ffn_norm"].kind == (
+            "norm_then_router_side" if policy.router_side_stream else "norm_then_router")
+        e.setup_caches(1, 600)
+        with torch.no_grad():
+            graph = engine.CUDAGraphPrefill(e, 128, True, 600)  # (its capture writes K/V the chunks then rewrite)
+            first = e(idx[:, :200], input_pos=torch.arange(200, device="cuda"))
+            later = e(idx[:, 200:], input_pos=torch.arange(200, 300, device="cuda"))
+            graphed = graph(idx[0, 200:].tolist(), 200).clone()
+        e.clear_caches()
+        return first, later, graphed
+
+    inline, side = run(Policy(router_max_tokens=0)), run(Policy(router_max_tokens=0, router_side_stream=True))
+    for what, a, b in zip(("first chunk", "later chunk", "graphed later chunk"), inline, side):
+        assert torch.equal(a, b), f"{what}: max diff {(a.float() - b.float()).abs().max():.3g}"

@@ -212,6 +212,68 @@ def test_the_thresholds_move_ops_between_triton_and_cublas():
     assert linears(policy.Policy(dense_gemv_max_tokens=4), 4) == {"gemv_all", "gemv_fused_all", "gemm_k_all"}
 
 
+def test_the_router_goes_to_the_side_stream_only_where_nothing_reads_its_mask_before_the_gemms():
+    routed = [("wide", "wide")]
+    side = policy.Policy(router_side_stream=True)
+    norms = lambda pol, M, decode=False, start=0: [pol.plan(policy.Shape(M, decode, start), routed).layers[0][n].kind
+                                                   for n in ("attn_norm", "ffn_norm")]
+    beside = ["norm_then_router_side"] * 2
+    assert norms(side, 100) == norms(side, 100, start=8) == norms(side, 1023) == beside  # both: masks read late
+    assert norms(policy.Policy(), 100) == ["norm_route"] * 2, "off by default"
+    # attention over the live tiles reads the layout (and Q's tiles, the mask) before any GEMM: the attention
+    # router stays in the norm's launch, as does the FFN's where gate+up's tiles read its layout
+    assert norms(side, 1024) == ["norm_route"] * 2
+    assert norms(policy.Policy(router_side_stream=True, live_attention_min_tokens=64), 100) == [
+        "norm_route", "norm_then_router_side"]
+    assert norms(side, 1, decode=True) == ["norm_route_deferred"] * 2 and norms(side, 16, decode=True) == [
+        "norm_route"] * 2, "decode steps: the mask is read at once (decode attention, the GEMVs)"
+    other = side.plan(policy.Shape(100, False), [("other", None)]).layers[0]
+    assert other["attn_norm"].kind == "norm_then_router_side" and other["ffn_norm"].kind == "norm"
+    text = side.plan(policy.Shape(100, False), routed).text()
+    assert "side stream" in text, "the printed plan says where the router runs"
+
+
+class FakeStream:
+    """Stands in for a CUDA stream on the CPU: what the engine asks of its streams goes into a log."""
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits for {other.name}")
+
+
+def test_the_side_streams_router_is_forked_after_the_norm_and_joined_before_its_mask_is_read(monkeypatch):
+    log, on = [], []
+    main = FakeStream("main", log)
+    m = wide_model()
+    e = engine.Engine(m, Policy(router_side_stream=True))
+    e.side = FakeStream("side", log)
+
+    class OnStream:  # torch.cuda.stream(s): the block's work goes to s
+        def __init__(self, s):
+            self.s = s
+
+        def __enter__(self):
+            on.append(self.s.name)
+
+        def __exit__(self, *exc):
+            on.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: main)
+    monkeypatch.setattr(torch.cuda, "stream", OnStream)
+    for layer in m.layers:
+        for r in (layer.attn_router, layer.ffn_router):
+            r.register_forward_hook(lambda *_: log.append(f"router on {on[-1] if on else 'main'}"))
+    matmul, swiglu = e.matmul, engine.swiglu_rows
+    monkeypatch.setattr(e, "matmul", lambda x, layer, name, op: log.append(name) or matmul(x, layer, name, op))
+    monkeypatch.setattr(engine, "swiglu_rows", lambda *a, **k: log.append("swiglu") or swiglu(*a, **k))
+    with torch.no_grad():
+        e(torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1)).to(DEV))
+    fork, join = "side waits for main", "main waits for side"
+    layer = [fork, "router on side", "qkv", join, "o", fork, "router on side", "gu", join, "swiglu", "down"]
+    assert log == layer * len(m.layers), "per layer: fork, router, the GEMMs beside it, join, then the mask's reader"
+
+
 def test_the_engine_follows_a_plan_it_is_handed(launches, monkeypatch, one_thread):
     # A plan that sends the decode O projection to cuBLAS: the engine must not run gemm_k there anyway.
     real = policy.Policy.layer_plan
