@@ -384,6 +384,8 @@ class Engine:
         kind, S = ops["attention"].kind, step.start  # a prefill chunk at `start` sees the start + T keys before it
         zeroed = kind.endswith("_zeroed")  # every head runs, then the pruned heads' outputs are set to 0
         kind = kind.removesuffix("_zeroed")
+        if not zeroed:  # the attention kernel reads the mask (a side stream's router joins here)
+            self.join(ops["attn_norm"])
         if kind == "decode_live":
             y = attention_decode(q, kc, vc, mask, step.kv_len, tickets=self.tickets)  # skips idle KV heads
         elif kind == "decode_every":

@@ -147,9 +147,10 @@ class Policy:
     # the live-tile kernel cost more than they skip; below sparse_prefill_min_tokens nothing else reads the layout.
     # 0: the live tiles at every length. (results/prefill_chunks_h100_every_head.md against the live tiles)
     live_attention_min_tokens: int = 1024
-    # Where a prefill chunk reads a router's mask only after its GEMMs (attention over every head then the pruned
-    # heads zeroed; gate+up on cuBLAS then the pruned groups zeroed), the router module runs on a side CUDA
-    # stream beside them instead of before them (on a CPU, in line). bench.prefill --policy times both.
+    # Where a step reads a router's mask only after its GEMMs (Q, K, V for every head, then attention over the
+    # live heads or every head and the pruned ones zeroed; gate+up on cuBLAS, then the pruned groups zeroed), the
+    # router module runs on a side CUDA stream beside them instead of before them (on a CPU, in line).
+    # bench.prefill --policy and bench.e2e time both.
     router_side_stream: bool = False
 
     def plan(self, shape, routers):
@@ -220,10 +221,9 @@ class Policy:
             if ops[norm].kind == "norm" and ops[linear].weights == "fp8 x fp8":  # the norm quantizes the input
                 ops[norm] = Op("norm_fp8", "Triton", kernels=("rms_norm_kernel",))
                 ops[linear] = ops[linear]._replace(kernels=())
-        if self.router_side_stream and not shape.decode:
-            for norm, late in (("attn_norm", "attn_layout" not in ops and ops["qkv"].kind == "cublas_every_head"
-                                and ops["attention"].kind.endswith("_zeroed")),
-                               ("ffn_norm", ops["gate_up"].kind == "cublas_masked")):
+        if self.router_side_stream:  # Q, K, V for every head and no layout: attention reads the mask first
+            for norm, late in (("attn_norm", "attn_layout" not in ops and ops["qkv"].kind == "cublas_every_head"),
+                               ("ffn_norm", ops["gate_up"].kind == "cublas_masked" and not shape.ffn_vote)):
                 if late and ops[norm].kind in ("norm_route", "norm_then_router"):
                     ops[norm] = Op("norm_then_router_side", "Triton + torch (side stream)",
                                    kernels=("rms_norm_kernel",))

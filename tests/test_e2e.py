@@ -369,8 +369,8 @@ def test_gpu_pdl_changes_no_bit_of_a_graphed_decode(routers):
 def test_gpu_the_side_streams_router_changes_no_bit_even_when_it_finishes_last():
     # Policy.router_side_stream: a short chunk's router module runs on a side stream beside the GEMMs, and the
     # layer waits for it where the mask is first read. Each router first spins for ~1 ms on its stream, so a
-    # read that did not wait would see an unwritten mask; eager chunks and a graphed later chunk must give the
-    # logits of the same router run in line, bit for bit.
+    # read that did not wait would see an unwritten mask; eager chunks, a graphed later chunk and graphed decode
+    # steps of 8 rows must give the logits of the same router run in line, bit for bit.
     cfg = ModelConfig(vocab_size=512, dim=1024, n_layers=4, n_heads=8, n_kv_heads=4, intermediate_size=4096,
                       max_seq_len=600)
     m = wide_model("cuda", torch.bfloat16, seed=5, std=0.05, cfg=cfg, ffn_group_size=128)
@@ -379,7 +379,7 @@ def test_gpu_the_side_streams_router_changes_no_bit_even_when_it_finishes_last()
         for r in (layer.attn_router, layer.ffn_router):
             r.register_forward_pre_hook(lambda *_: torch.cuda._sleep(2_000_000))
 
-    def run(policy):  # a first chunk, a later one, the later one again as a CUDA graph
+    def run(policy):  # a first chunk, a later one, the later one again as a CUDA graph; decode steps
         e = engine.Engine(m, policy)
         assert e.step_plan(100, False, 200).layers[0]["ffn_norm"].kind == (
             "norm_then_router_side" if policy.router_side_stream else "norm_then_router")
@@ -389,9 +389,16 @@ def test_gpu_the_side_streams_router_changes_no_bit_even_when_it_finishes_last()
             first = e(idx[:, :200], input_pos=torch.arange(200, device="cuda"))
             later = e(idx[:, 200:], input_pos=torch.arange(200, 300, device="cuda"))
             graphed = graph(idx[0, 200:].tolist(), 200).clone()
+            e.clear_caches()
+            e.setup_caches(8, 64)  # graphed decode steps of 8 rows: decode attention reads the mask
+            e(rows, input_pos=torch.arange(40, device="cuda"))
+            token, pos = rows[:, -1:], torch.full((8, 1), 40, device="cuda")
+            step = engine.CUDAGraphDecoder(e, token, pos)
+            decode = torch.stack([step(token, pos + i).clone() for i in range(3)])
         e.clear_caches()
-        return first, later, graphed
+        return first, later, graphed, decode
 
+    rows = torch.randint(0, 512, (8, 40), generator=torch.Generator().manual_seed(7)).cuda()
     inline, side = run(Policy(router_max_tokens=0)), run(Policy(router_max_tokens=0, router_side_stream=True))
-    for what, a, b in zip(("first chunk", "later chunk", "graphed later chunk"), inline, side):
+    for what, a, b in zip(("first chunk", "later chunk", "graphed later chunk", "graphed decode"), inline, side):
         assert torch.equal(a, b), f"{what}: max diff {(a.float() - b.float()).abs().max():.3g}"

@@ -225,8 +225,13 @@ def test_the_router_goes_to_the_side_stream_only_where_nothing_reads_its_mask_be
     assert norms(side, 1024) == ["norm_route"] * 2
     assert norms(policy.Policy(router_side_stream=True, live_attention_min_tokens=64), 100) == [
         "norm_route", "norm_then_router_side"]
-    assert norms(side, 1, decode=True) == ["norm_route_deferred"] * 2 and norms(side, 16, decode=True) == [
-        "norm_route"] * 2, "decode steps: the mask is read at once (decode attention, the GEMVs)"
+    # decode steps: the GEMVs of a few rows read the mask at once; past them Q, K, V run for every head and
+    # decode attention is the first to read it (and the FFN's SwiGLU, unless the vote rule reads it first)
+    assert norms(side, 1, decode=True) == ["norm_route_deferred"] * 2 and norms(side, 4, decode=True) == [
+        "norm_route"] * 2
+    assert norms(side, 32, decode=True) == beside
+    voted = side.plan(policy.Shape(32, True, ffn_vote=2), routed).layers[0]
+    assert [voted[n].kind for n in ("attn_norm", "ffn_norm")] == ["norm_then_router_side", "norm_route"]
     other = side.plan(policy.Shape(100, False), [("other", None)]).layers[0]
     assert other["attn_norm"].kind == "norm_then_router_side" and other["ffn_norm"].kind == "norm"
     text = side.plan(policy.Shape(100, False), routed).text()
@@ -267,11 +272,18 @@ def test_the_side_streams_router_is_forked_after_the_norm_and_joined_before_its_
     matmul, swiglu = e.matmul, engine.swiglu_rows
     monkeypatch.setattr(e, "matmul", lambda x, layer, name, op: log.append(name) or matmul(x, layer, name, op))
     monkeypatch.setattr(engine, "swiglu_rows", lambda *a, **k: log.append("swiglu") or swiglu(*a, **k))
-    with torch.no_grad():
-        e(torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1)).to(DEV))
+    attend = engine.attention_decode
+    monkeypatch.setattr(engine, "attention_decode", lambda *a, **k: log.append("attention") or attend(*a, **k))
     fork, join = "side waits for main", "main waits for side"
-    layer = [fork, "router on side", "qkv", join, "o", fork, "router on side", "gu", join, "swiglu", "down"]
-    assert log == layer * len(m.layers), "per layer: fork, router, the GEMMs beside it, join, then the mask's reader"
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a prefill chunk: the mask is first read after attention (zeroing) and after gate+up
+        e.setup_caches(8, 48)
+        e(torch.randint(0, 96, (8, 37), generator=gen).to(DEV), input_pos=torch.arange(37, device=DEV))
+        layer = [fork, "router on side", "qkv", join, "o", fork, "router on side", "gu", join, "swiglu", "down"]
+        assert log == layer * len(m.layers), "per layer: fork, router, the GEMMs beside it, join, the mask's reader"
+        log.clear()  # a decode step of 8 rows: decode attention reads it; the batch rule runs the FFN dense
+        e(torch.randint(0, 96, (8, 1), generator=gen).to(DEV), input_pos=torch.full((8, 1), 37, device=DEV))
+        assert log == [fork, "router on side", "qkv", join, "attention", "o", "gu", "swiglu", "down"] * len(m.layers)
 
 
 def test_the_engine_follows_a_plan_it_is_handed(launches, monkeypatch, one_thread):
