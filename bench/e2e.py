@@ -204,6 +204,8 @@ def decode_row(run, m, batch, context, log):
         policies["all sparse"] = Policy(sparse_decode_max_tokens=64)
     if batch == 1:  # the router's rule left in norm_route (its ticket and last program) instead of the GEMV's
         policies["rule in norm_route"] = Policy(router_rule_in_gemv=False)
+    if batch > Policy().sparse_decode_max_tokens:  # where Q, K, V run for every head: the router beside them
+        policies["router side stream"] = Policy(router_side_stream=True)
     for name, pol in policies.items():
         wide_ms[name], got = with_engine(m, True, pol, lambda e: time_decode(run, e, batch, context, steps))
         masks = masks or got
@@ -405,7 +407,8 @@ def markdown(m):
             "the linears through cuBLAS instead of WIDE's kernels with every group live, 'PDL off' = the best of those launched "
             "without programmatic dependent launch); WIDE by policy ('default' = Policy(); 'all sparse' = Q and "
             "O through their kernels at this batch, the FFN as the batch rule says; 'rule in norm_route' = batch 1 with "
-            "the routers' rule applied by norm_route instead of the GEMV after it; 'PDL off' = default without it):",
+            "the routers' rule applied by norm_route instead of the GEMV after it; 'router side stream' = the router module "
+            "on a side stream beside Q, K, V (Policy.router_side_stream); 'PDL off' = default without it):",
             ""]
     for r in rows:
         if "dense_ms_by_policy" in r:

@@ -253,7 +253,8 @@ def test_e2e_rows_carry_dense_bandwidth_and_the_byte_limit(e2e_run):
         assert set(r["dense_ms_by_policy"]) == ({"triton", "sdpa", "cublas linears"} if r["batch"] == 1
                                                 else {"triton", "sdpa"})  # (no 'PDL off' without PDL)
         assert set(r["masks"]) == {"attn_skip", "ffn_skip", "attn_union_live", "ffn_union_live"}
-    assert set(next(r for r in decode if r["batch"] == 6)["wide_ms_by_policy"]) == {"default", "all sparse"}
+    assert set(next(r for r in decode if r["batch"] == 6)["wide_ms_by_policy"]) == {"default", "all sparse",
+                                                                                  "router side stream"}
     assert set(next(r for r in decode if r["batch"] == 1)["wide_ms_by_policy"]) == {"default", "rule in norm_route"}
 
 
