@@ -11,6 +11,7 @@ Every benchmark has a --smoke mode: the same code on tiny fp32 shapes on the CPU
 Triton interpreter (TRITON_INTERPRET=1). It runs every check, row builder and results writer; its times
 mean nothing, and it never writes under results/ (out_prefix).
 """
+import argparse
 import datetime
 import json
 import os
@@ -26,6 +27,7 @@ import engine
 import kernels_base
 import wide
 from model import ModelConfig, Transformer, rope_frequencies
+from policy import Policy
 
 COPY_GBS, MATMUL_TFLOPS = 4220, 692  # measured H200 ceilings: device-to-device copy, bf16 matmul 8192^3
 
@@ -244,3 +246,19 @@ def mask_summary(masks, batch):
     out.update({f"{k}_union_live": round(torch.stack([x.reshape(batch, -1).float().amax(0).mean()
                                                       for x in masks[k]]).mean().item(), 4) for k in masks})
     return out
+
+
+def policy_of(text):
+    """--policy NAME=VALUE,...: Policy fields other than their defaults."""
+    def value(name, v):  # the field's own type; a bool from true / false (bool("false") would be True)
+        kind = type(getattr(Policy(), name))
+        if kind is bool and v.lower() not in ("true", "false"):
+            raise ValueError(f"{name} is true or false")
+        return v.lower() == "true" if kind is bool else kind(v)
+
+    try:
+        fields = dict(kv.split("=") for kv in text.split(","))
+        return Policy(**{k: value(k, v) for k, v in fields.items()})
+    except (ValueError, TypeError, AttributeError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: give Policy fields as NAME=VALUE,..., e.g. "
+                                         f"router_max_tokens=4096 ({e})")

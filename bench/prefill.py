@@ -15,7 +15,6 @@ Each row also has the op breakdown of one replay (torch.profiler, kernels assign
 bench/step_profile.py): each op's kernel time and the idle time before its kernels, so a length where WIDE loses
 says which op loses, and whether in its kernels or between them.
 """
-import argparse
 import sys
 import time
 
@@ -212,22 +211,6 @@ def counts(lo):
     return parse
 
 
-def policy_of(text):
-    """--policy NAME=VALUE,...: Policy fields other than their defaults."""
-    def value(name, v):  # the field's own type; a bool from true / false (bool("false") would be True)
-        kind = type(getattr(Policy(), name))
-        if kind is bool and v.lower() not in ("true", "false"):
-            raise ValueError(f"{name} is true or false")
-        return v.lower() == "true" if kind is bool else kind(v)
-
-    try:
-        fields = dict(kv.split("=") for kv in text.split(","))
-        return Policy(**{k: value(k, v) for k, v in fields.items()})
-    except (ValueError, TypeError, AttributeError) as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: give Policy fields as NAME=VALUE,..., e.g. "
-                                         f"router_max_tokens=4096 ({e})")
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = common.parser(__doc__, "-m bench.prefill", "prefill_chunks_h200")
@@ -235,7 +218,7 @@ def main(argv=None):
                    help=f"chunk lengths, comma-separated (default {','.join(map(str, LENGTHS))})")
     p.add_argument("--starts", type=counts(0), default=None,
                    help=f"chunk starts, comma-separated (default {','.join(map(str, STARTS))})")
-    p.add_argument("--policy", type=policy_of, default=Policy(), help="the engine's thresholds, as Policy fields "
+    p.add_argument("--policy", type=common.policy_of, default=Policy(), help="the engine's thresholds, as Policy fields "
                    "NAME=VALUE,... (default: Policy())")
     p.add_argument("--profiles", type=lambda t: [x for x in PROFILES if x[0] in t.split(",")] or
                    p.error(f"--profiles {t!r}: give names of {[x[0] for x in PROFILES]}"), default=None,

@@ -306,7 +306,7 @@ def check_cache_fits(m, w, slot_len, headroom=4 << 30):
 
 def serving_meta(w, run, args, argv, m, slot_len):
     gib = cache_bytes(m.config, w.n_slots, slot_len, m.embed_tokens.weight.element_size()) / 2 ** 30
-    return meta(run.smoke, "-m bench.serving", argv, rows=[], policy=repr(Policy()), workload_name=w.name,
+    return meta(run.smoke, "-m bench.serving", argv, rows=[], policy=repr(args.policy), workload_name=w.name,
                 slots=w.n_slots, slot_len=slot_len, kv_cache_gib=round(gib, 2), requests=w.requests,
                 profiles=[list(p) for p in w.profiles], ffn_router_max_decode_rows=m.ffn_rule.max_rows,
                 quality_file=QUALITY, quality=load_quality(QUALITY, w.profiles),
@@ -466,7 +466,7 @@ def run_bench(w, args, argv):
         else:
             set_profile(m, routers, attn, ffn, run.calibrate_tokens)
             skip = realized_skip(m, run.calibrate_tokens)
-        forward = engine.Engine(m)
+        forward = engine.Engine(m, args.policy)
         if torch.cuda.is_available():
             check_cache_fits(m, w, slot_len)
         server = Server(forward, w.n_slots, slot_len, chunk=args.chunk)
@@ -572,6 +572,8 @@ def main(argv=None):
     # >= Policy.sparse_prefill_min_tokens: WIDE's sparse prefill kernels run (smaller chunks: results/serving.md)
     p.add_argument("--chunk", type=cli.integer(1), default=2048, help="prefill chunk in tokens (a long prompt "
                    "does not stall the running decodes for longer than one chunk)")
+    p.add_argument("--policy", type=common.policy_of, default=Policy(), help="the engine's thresholds, as Policy "
+                   "fields NAME=VALUE,... (default: Policy())")
     p.add_argument("--runs", type=cli.integer(1, 8), default=1, help="serve every profile this many times, each "
                    "time on a fresh server, the order reversed every other run (the rows: run 1, 2, ...; default 1)")
     p.add_argument("--http", action="store_true", help="also serve each rate through serve.py's HTTP front, each "

@@ -170,7 +170,7 @@ def test_prefill_chunk_bench_refuses_a_bad_policy_in_one_line(capsys):
 
 
 def test_prefill_chunk_bench_reads_policy_fields_in_their_own_types():
-    from bench.prefill import policy_of
+    from bench.common import policy_of
     from policy import Policy
     assert policy_of("router_side_stream=false") == Policy()
     assert policy_of("router_side_stream=True,live_attention_min_tokens=64") == Policy(

@@ -16,6 +16,7 @@ import serve
 from bench import common, serving
 from conftest import assert_one_line_error, stopped
 from model import ModelConfig
+from policy import Policy
 
 INF = math.inf
 PROFILES = [["dense", None, None], ["WIDE 50/50", 0.5, 0.5], ["WIDE 75/25", 0.75, 0.25]]
@@ -198,13 +199,14 @@ def test_bad_flags_are_refused_in_one_line_before_the_device_check(capsys, monke
 @pytest.mark.skipif(not kernels_base.INTERPRET, reason="--smoke runs the kernels in the Triton interpreter (the CPU test "
                     "setup); on a GPU `python -m bench.serving` is the real run")
 def test_smoke_run_serves_through_the_slots_asked_for_and_records_them(tmp_path):
-    rec = serving.main(["--smoke", "--slots", "1", "--rates", "inf", "--output", "2,2",
-                            "--profiles", "0.5/0.5", "--out", str(tmp_path / "serving")])
+    rec = serving.main(["--smoke", "--slots", "1", "--rates", "inf", "--output", "2,2", "--profiles", "0.5/0.5",
+                        "--policy", "router_side_stream=true", "--out", str(tmp_path / "serving")])
     assert [r["profile"] for r in rec["rows"]] == ["dense", "WIDE 50/50"]
     seen = [(r["concurrency_max"], r["rejected"]) for r in rec["rows"]]
     assert seen == [(1, 0), (1, 0)], f"(concurrency max, rejected) per profile: {seen}"  # one slot: one at a time
     saved = json.load(open(tmp_path / "serving.json"))
     assert saved["slots"] == 1 and saved["slot_len"] == 16 + 2 + 1 and saved["workload_name"] == "mixed"
+    assert saved["policy"] == repr(Policy(router_side_stream=True)), "the engine's policy, as --policy gave it"
     assert "1 slots of 19 positions" in open(tmp_path / "serving.md").read()
     assert (tmp_path / "serving.png").stat().st_size > 1000
 
