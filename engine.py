@@ -175,8 +175,9 @@ class Engine:
         self.tickets = torch.zeros(4096, dtype=torch.int32, device=device)
         self.plans = {}  # (Shape, routers) -> Plan: a step's plan is computed once per shape
         self.constant_masks = {}  # (M, G) -> an all-True mask, for the dense model's ops through WIDE's kernels
-        # The plan's "norm_then_router_side" routers run here (torch ops only: no kernel that takes a ticket)
+        # The plan's "_side" routers run here, beside the main stream's kernels: tickets of their own
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.side_tickets = torch.zeros(4096, dtype=torch.int32, device=device)
 
     def join(self, norm_op):
         """Before the first read of a mask its router made on the side stream: the layer waits for it there."""
@@ -297,24 +298,31 @@ class Engine:
             normed, decision = norm_route_deferred(x, norm, router, residual, self.tickets)
             keep, keepf, live = decision[:3]
         elif op.kind == "norm_route":
-            pol = self.policy  # decode-sized steps keep NORM_ROUTE_TILE: one tile gives the live list
-            tile = pol.router_split_tile if x.shape[0] * x.shape[1] > NORM_ROUTE_SPLIT_MAX_TOKENS else NORM_ROUTE_TILE
-            normed, keep, keepf, live = norm_route(x, norm, router, residual, self.tickets,
-                                                   split_max_tokens=pol.router_split_max_tokens, tile_tokens=tile)
-        else:  # "norm_then_router" (its own side stream: "norm_then_router_side")
+            normed, keep, keepf, live = self.fused_route(x, norm, router, residual, self.tickets)
+        else:  # the plain norm, then the router: in line, or beside the GEMMs on the side stream ("_side")
             normed = rms_norm(x, norm, residual)
             side = self.side if op.kind.endswith("_side") else None
-            if side is not None:  # it starts once the norm has written h; the layer joins it (self.join)
+            if side is not None:  # it starts once the norm's inputs are written; the layer joins it (self.join)
                 side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                keepf = router(x if residual is None else normed[0])  # at inference exactly 0 or 1
-                keep = keepf > 0.5
+                if op.kind == "norm_route_side":  # norm_route's own decision (its h and norm unread)
+                    _, keep, keepf, _ = self.fused_route(x, norm, router, residual, self.side_tickets)
+                else:  # "norm_then_router", "norm_then_router_side": the router module
+                    keepf = router(x if residual is None else normed[0])  # at inference exactly 0 or 1
+                    keep = keepf > 0.5
         if vote is not None:
             keepf = shared_by_vote(keepf.float(), vote)
             keep, live = keepf > 0.5, None  # the vote changed the mask: the kernels list its groups themselves
         if masks is not None:
             masks.setdefault(kind, []).append(keepf)
         return normed, keep, live, decision
+
+    def fused_route(self, x, norm, router, residual, tickets):
+        # norm_route at the policy's sizes: decode-sized steps keep NORM_ROUTE_TILE (one tile gives the live list)
+        pol = self.policy
+        tile = pol.router_split_tile if x.shape[0] * x.shape[1] > NORM_ROUTE_SPLIT_MAX_TOKENS else NORM_ROUTE_TILE
+        return norm_route(x, norm, router, residual, tickets, split_max_tokens=pol.router_split_max_tokens,
+                          tile_tokens=tile)
 
     def linear_weights(self, layer, name, op):
         """(weight, fp8 scale or None) as the op reads it: the model dtype, the fp8 codes, or the values

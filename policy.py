@@ -53,6 +53,8 @@ KINDS = {
     "norm_route_deferred": "RMSNorm + the router's first Linear in one launch (norm_route_deferred), residual add "
                            "fused; the decode GEMV after it applies the rule and writes the mask",
     "norm_then_router": "RMSNorm (rms_norm), then the router module itself (two fp32 GEMMs)",
+    "norm_route_side": "RMSNorm (rms_norm), and norm_route's decision on a side stream, beside the GEMMs that do "
+                       "not read its mask; the layer waits for it where the mask is first read",
     "norm_then_router_side": "RMSNorm (rms_norm), then the router module on a side stream, beside the GEMMs that do "
                              "not read its mask; the layer waits for it where the mask is first read",
     "norm_fp8": "RMSNorm (rms_norm), its output as per-token fp8 rows for _scaled_mm, in the same launch",
@@ -149,8 +151,8 @@ class Policy:
     live_attention_min_tokens: int = 1024
     # Where a step reads a router's mask only after its GEMMs (Q, K, V for every head, then attention over the
     # live heads or every head and the pruned ones zeroed; gate+up on cuBLAS, then the pruned groups zeroed), the
-    # router module runs on a side CUDA stream beside them instead of before them (on a CPU, in line).
-    # bench.prefill --policy and bench.e2e time both.
+    # plain norm runs before them and the router's decision (norm_route's, or the module's) on a side CUDA stream
+    # beside them (on a CPU, in line). bench.prefill --policy and bench.e2e time both.
     router_side_stream: bool = False
 
     def plan(self, shape, routers):
@@ -224,9 +226,11 @@ class Policy:
         if self.router_side_stream:  # Q, K, V for every head and no layout: attention reads the mask first
             for norm, late in (("attn_norm", "attn_layout" not in ops and ops["qkv"].kind == "cublas_every_head"),
                                ("ffn_norm", ops["gate_up"].kind == "cublas_masked" and not shape.ffn_vote)):
-                if late and ops[norm].kind in ("norm_route", "norm_then_router"):
-                    ops[norm] = Op("norm_then_router_side", "Triton + torch (side stream)",
-                                   kernels=("rms_norm_kernel",))
+                if late and ops[norm].kind == "norm_route":  # its decision beside, bit for bit the same
+                    ops[norm] = Op("norm_route_side", "Triton, side stream", kernels=("rms_norm_kernel",)
+                                   + ops[norm].kernels)
+                elif late and ops[norm].kind == "norm_then_router":
+                    ops[norm] = ops[norm]._replace(kind="norm_then_router_side", runs="Triton + torch, side stream")
         return {name: ops[name] for name in LAYER_OPS if name in ops}
 
     def scaled_mm(self, shape):

@@ -85,7 +85,7 @@ def assert_same_masks(a, b):
 SPLIT_ROUTER = Policy(router_split_max_tokens=128)  # a 74-token step on norm_route's split kernel, not its D-split pair
 SPLIT_ROUTER_16 = Policy(router_split_max_tokens=128, router_split_tile=16)  # ... in tiles of 16 tokens
 LIVE_TILES = Policy(live_attention_min_tokens=0)  # a 74-token step's attention over its live (group, tile) items only
-SIDE_ROUTER = Policy(router_side_stream=True)  # the router module after the plain norm (a side stream on a GPU)
+SIDE_ROUTER = Policy(router_side_stream=True)  # the router's decision beside the plain norm (a side stream on a GPU)
 
 
 @pytest.mark.parametrize("policy", [DEFAULT, ALL_SPARSE, ALL_DENSE_LINEARS, SPLIT_ROUTER, SPLIT_ROUTER_16, LIVE_TILES,
@@ -108,10 +108,10 @@ def test_triton_forward_routes_identically_and_matches_reference_logits(launches
     assert launches.count("gemm_k_kernel") == (2 * len(m.layers) if policy is ALL_SPARSE else 0)
     split = policy in (SPLIT_ROUTER, SPLIT_ROUTER_16)  # the router in the norm's launch, one kernel or the other
     assert launches.count("norm_route_kernel") == (2 * len(m.layers) if split else 0)
-    fused = policy is not SIDE_ROUTER  # (the side stream's router: the module after the plain norm's launch)
-    assert launches.count("rms_norm_kernel") == (0 if fused else 2 * len(m.layers)) + 1  # + the final norm
+    beside = policy is SIDE_ROUTER  # the plain norm, and norm_route for its decision (on a side stream on a GPU)
+    assert launches.count("rms_norm_kernel") == (2 * len(m.layers) if beside else 0) + 1  # + the final norm
     for half in ("norm_route_part_kernel", "norm_route_finish_kernel"):  # the prefill chunk's two launches
-        assert launches.count(half) == (0 if split or not fused else 2 * len(m.layers))
+        assert launches.count(half) == (0 if split else 2 * len(m.layers))
     if split:  # the tiles the policy asked for: 74 tokens in tiles of 4 or 16
         tiles = {grid[1] for grid in launches.grids["norm_route_kernel"]}
         assert tiles == {-(-74 // (16 if policy is SPLIT_ROUTER_16 else 4))}
@@ -366,23 +366,27 @@ def test_gpu_pdl_changes_no_bit_of_a_graphed_decode(routers):
 
 
 @GPU
-def test_gpu_the_side_streams_router_changes_no_bit_even_when_it_finishes_last():
-    # Policy.router_side_stream: a short chunk's router module runs on a side stream beside the GEMMs, and the
-    # layer waits for it where the mask is first read. Each router first spins for ~1 ms on its stream, so a
+@pytest.mark.parametrize("module", [False, True], ids=["norm_route's decision", "the router module"])
+def test_gpu_the_side_streams_router_changes_no_bit_even_when_it_finishes_last(monkeypatch, module):
+    # Policy.router_side_stream: a short chunk's router decision runs on a side stream beside the GEMMs, and the
+    # layer waits for it where the mask is first read. Each decision first spins for ~1 ms on its stream, so a
     # read that did not wait would see an unwritten mask; eager chunks, a graphed later chunk and graphed decode
-    # steps of 8 rows must give the logits of the same router run in line, bit for bit.
+    # steps of 8 rows must give the logits of the same decision made in line, bit for bit.
     cfg = ModelConfig(vocab_size=512, dim=1024, n_layers=4, n_heads=8, n_kv_heads=4, intermediate_size=4096,
                       max_seq_len=600)
     m = wide_model("cuda", torch.bfloat16, seed=5, std=0.05, cfg=cfg, ffn_group_size=128)
     idx = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(6)).cuda()
+    route = engine.norm_route
+    monkeypatch.setattr(engine, "norm_route", lambda *a, **k: (torch.cuda._sleep(2_000_000), route(*a, **k))[1])
     for layer in m.layers:
         for r in (layer.attn_router, layer.ffn_router):
             r.register_forward_pre_hook(lambda *_: torch.cuda._sleep(2_000_000))
+    limit = 0 if module else 1 << 20  # Policy.router_max_tokens: past it, the module itself
 
     def run(policy):  # a first chunk, a later one, the later one again as a CUDA graph; decode steps
         e = engine.Engine(m, policy)
-        assert e.step_plan(100, False, 200).layers[0]["ffn_norm"].kind == (
-            "norm_then_router_side" if policy.router_side_stream else "norm_then_router")
+        kind = "norm_then_router" if module else "norm_route"
+        assert e.step_plan(100, False, 200).layers[0]["ffn_norm"].kind == kind + "_side" * policy.router_side_stream
         e.setup_caches(1, 600)
         with torch.no_grad():
             graph = engine.CUDAGraphPrefill(e, 128, True, 600)  # (its capture writes K/V the chunks then rewrite)
@@ -399,6 +403,6 @@ def test_gpu_the_side_streams_router_changes_no_bit_even_when_it_finishes_last()
         return first, later, graphed, decode
 
     rows = torch.randint(0, 512, (8, 40), generator=torch.Generator().manual_seed(7)).cuda()
-    inline, side = run(Policy(router_max_tokens=0)), run(Policy(router_max_tokens=0, router_side_stream=True))
+    inline, side = run(Policy(router_max_tokens=limit)), run(Policy(router_max_tokens=limit, router_side_stream=True))
     for what, a, b in zip(("first chunk", "later chunk", "graphed later chunk", "graphed decode"), inline, side):
         assert torch.equal(a, b), f"{what}: max diff {(a.float() - b.float()).abs().max():.3g}"

@@ -24,7 +24,7 @@ def pdl_kernels():
 # What a kernel may read before its wait: weights, which no kernel of a step writes (the router's, the norm's),
 # and gemm_k's live list, which norm_route wrote two or more launches before (see _gemm_k_kernel: PREFETCH).
 READ_BEFORE_WAIT = {"_norm_route_kernel": {"wd", "bd", "wu", "bu", "nw"}, "_gemm_k_kernel": {"w", "swn", "live"},
-                    "_gemv_mn_kernel": {"rw", "rb"}}
+                    "_gemv_mn_kernel": {"rw", "rb"}, "_norm_route_part_kernel": {"wd"}}
 
 
 def specializations(fn):

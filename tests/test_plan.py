@@ -217,23 +217,25 @@ def test_the_router_goes_to_the_side_stream_only_where_nothing_reads_its_mask_be
     side = policy.Policy(router_side_stream=True)
     norms = lambda pol, M, decode=False, start=0: [pol.plan(policy.Shape(M, decode, start), routed).layers[0][n].kind
                                                    for n in ("attn_norm", "ffn_norm")]
-    beside = ["norm_then_router_side"] * 2
+    beside = ["norm_route_side"] * 2
     assert norms(side, 100) == norms(side, 100, start=8) == norms(side, 1023) == beside  # both: masks read late
     assert norms(policy.Policy(), 100) == ["norm_route"] * 2, "off by default"
     # attention over the live tiles reads the layout (and Q's tiles, the mask) before any GEMM: the attention
     # router stays in the norm's launch, as does the FFN's where gate+up's tiles read its layout
     assert norms(side, 1024) == ["norm_route"] * 2
     assert norms(policy.Policy(router_side_stream=True, live_attention_min_tokens=64), 100) == [
-        "norm_route", "norm_then_router_side"]
+        "norm_route", "norm_route_side"]
     # decode steps: the GEMVs of a few rows read the mask at once; past them Q, K, V run for every head and
     # decode attention is the first to read it (and the FFN's SwiGLU, unless the vote rule reads it first)
     assert norms(side, 1, decode=True) == ["norm_route_deferred"] * 2 and norms(side, 4, decode=True) == [
         "norm_route"] * 2
     assert norms(side, 32, decode=True) == beside
     voted = side.plan(policy.Shape(32, True, ffn_vote=2), routed).layers[0]
-    assert [voted[n].kind for n in ("attn_norm", "ffn_norm")] == ["norm_then_router_side", "norm_route"]
-    other = side.plan(policy.Shape(100, False), [("other", None)]).layers[0]
+    assert [voted[n].kind for n in ("attn_norm", "ffn_norm")] == ["norm_route_side", "norm_route"]
+    other = side.plan(policy.Shape(100, False), [("other", None)]).layers[0]  # the module itself, beside
     assert other["attn_norm"].kind == "norm_then_router_side" and other["ffn_norm"].kind == "norm"
+    module = policy.Policy(router_side_stream=True, router_max_tokens=64).plan(policy.Shape(100, False), routed)
+    assert module.layers[0]["attn_norm"].kind == "norm_then_router_side"
     text = side.plan(policy.Shape(100, False), routed).text()
     assert "side stream" in text, "the printed plan says where the router runs"
 
@@ -247,11 +249,12 @@ class FakeStream:
         self.log.append(f"{self.name} waits for {other.name}")
 
 
-def test_the_side_streams_router_is_forked_after_the_norm_and_joined_before_its_mask_is_read(monkeypatch):
+@pytest.mark.parametrize("module", [False, True], ids=["norm_route's decision", "the router module"])
+def test_the_side_streams_router_is_forked_after_the_norm_and_joined_before_its_mask_is_read(monkeypatch, module):
     log, on = [], []
     main = FakeStream("main", log)
     m = wide_model()
-    e = engine.Engine(m, Policy(router_side_stream=True))
+    e = engine.Engine(m, Policy(router_side_stream=True, router_max_tokens=0 if module else 1 << 20))
     e.side = FakeStream("side", log)
 
     class OnStream:  # torch.cuda.stream(s): the block's work goes to s
@@ -266,9 +269,13 @@ def test_the_side_streams_router_is_forked_after_the_norm_and_joined_before_its_
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: main)
     monkeypatch.setattr(torch.cuda, "stream", OnStream)
+    where = lambda: f"router on {on[-1] if on else 'main'}"
+    route = engine.norm_route  # the routers' decision: norm_route's (with tickets of its own), or the module's
+    monkeypatch.setattr(engine, "norm_route", lambda *a, **k: log.append(
+        where() + ("" if a[4] is e.side_tickets else " with the main stream's tickets")) or route(*a, **k))
     for layer in m.layers:
         for r in (layer.attn_router, layer.ffn_router):
-            r.register_forward_hook(lambda *_: log.append(f"router on {on[-1] if on else 'main'}"))
+            r.register_forward_hook(lambda *_: log.append(where()))
     matmul, swiglu = e.matmul, engine.swiglu_rows
     monkeypatch.setattr(e, "matmul", lambda x, layer, name, op: log.append(name) or matmul(x, layer, name, op))
     monkeypatch.setattr(engine, "swiglu_rows", lambda *a, **k: log.append("swiglu") or swiglu(*a, **k))
