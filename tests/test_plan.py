@@ -284,12 +284,12 @@ def test_the_side_streams_router_is_forked_after_the_norm_and_joined_before_its_
     fork, join = "side waits for main", "main waits for side"
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # a prefill chunk: the mask is first read after attention (zeroing) and after gate+up
-        e.setup_caches(8, 48)
-        e(torch.randint(0, 96, (8, 37), generator=gen).to(DEV), input_pos=torch.arange(37, device=DEV))
+        e.setup_caches(5, 16)
+        e(torch.randint(0, 96, (5, 13), generator=gen).to(DEV), input_pos=torch.arange(13, device=DEV))
         layer = [fork, "router on side", "qkv", join, "o", fork, "router on side", "gu", join, "swiglu", "down"]
         assert log == layer * len(m.layers), "per layer: fork, router, the GEMMs beside it, join, the mask's reader"
-        log.clear()  # a decode step of 8 rows: decode attention reads it; the batch rule runs the FFN dense
-        e(torch.randint(0, 96, (8, 1), generator=gen).to(DEV), input_pos=torch.full((8, 1), 37, device=DEV))
+        log.clear()  # a decode step of 5 rows: decode attention reads it; the batch rule runs the FFN dense
+        e(torch.randint(0, 96, (5, 1), generator=gen).to(DEV), input_pos=torch.full((5, 1), 13, device=DEV))
         assert log == [fork, "router on side", "qkv", join, "attention", "o", "gu", "swiglu", "down"] * len(m.layers)
 
 
