@@ -358,15 +358,19 @@ class Engine:
         x2 = x if isinstance(x, kernels.Fp8Rows) else x.reshape(M, -1)  # fp8 rows: the norm quantized it
         if head_mask is not None:
             mask, gs = head_mask.reshape(M, -1), H // head_mask.shape[-1] * d
-        if "attn_layout" in ops:
-            # The layout (mask reordering), built once per router decision: Q proj and attention share it.
-            lay = layout(head_mask)
         if attn.kv_cache is not None:  # K/V are never pruned: the static cache stays complete
             kc, vc = attn.kv_cache.k_cache, attn.kv_cache.v_cache
         else:
             kc, vc = (torch.empty(B, Hkv, T, d, dtype=residual.dtype, device=residual.device) for _ in range(2))
         op = ops["qkv"]
         wqkv, s8 = self.linear_weights(layer, "qkv", op) if op.runs.startswith("Triton") else (None, None)
+        beside = ops["attn_norm"].kind.endswith("_side")
+        if op.kind == "tiles" and beside:  # K and V first: their GEMM runs beside the side stream's router
+            kv = F.linear(x2, wqkv[nq:])
+        if "attn_layout" in ops:
+            # The layout (mask reordering), built once per router decision: Q proj and attention share it.
+            self.join(ops["attn_norm"])
+            lay = layout(head_mask)
         # The decode GEMV does RoPE and the KV-cache write in its epilogue (the plan has no separate rope op).
         rope = None if "rope" in ops else kernels_gemv.Rope(step.cos, step.sin, step.slot, kc, vc, nq, Hkv * d, T)
         if op.kind == "gemv":
@@ -379,7 +383,7 @@ class Engine:
         elif op.kind == "tiles":
             # Q proj, live groups only; pruned slots stay unwritten (attention never reads them).
             q = kernels.gemm_mn(x2, wqkv[:nq], lay, gs, zero_pruned=False)
-            kv = F.linear(x2, wqkv[nq:])  # K and V in one GEMM: never pruned
+            kv = kv if beside else F.linear(x2, wqkv[nq:])  # K and V in one GEMM: never pruned
         else:  # "cublas", "cublas_every_head": Q, K, V in one GEMM
             qkv = self.matmul(x2, layer, "qkv", op)
         if rope is not None:  # qkv is Q, rotated; K and V are in the cache

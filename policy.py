@@ -223,8 +223,10 @@ class Policy:
             if ops[norm].kind == "norm" and ops[linear].weights == "fp8 x fp8":  # the norm quantizes the input
                 ops[norm] = Op("norm_fp8", "Triton", kernels=("rms_norm_kernel",))
                 ops[linear] = ops[linear]._replace(kernels=())
-        if self.router_side_stream:  # Q, K, V for every head and no layout: attention reads the mask first
-            for norm, late in (("attn_norm", "attn_layout" not in ops and ops["qkv"].kind == "cublas_every_head"),
+        if self.router_side_stream:  # Q, K, V for every head and no layout: attention reads the mask first;
+            # Q's tiles: K and V's GEMM runs first (the engine), then the layout reads it
+            for norm, late in (("attn_norm", ops["qkv"].kind == "tiles" or "attn_layout" not in ops
+                                and ops["qkv"].kind == "cublas_every_head"),
                                ("ffn_norm", ops["gate_up"].kind == "cublas_masked" and not shape.ffn_vote)):
                 if late and ops[norm].kind == "norm_route":  # its decision beside, bit for bit the same
                     ops[norm] = Op("norm_route_side", "Triton, side stream", kernels=("rms_norm_kernel",)

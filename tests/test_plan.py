@@ -8,6 +8,7 @@ as the interpreter pays per program), a later chunk of a
 prompt, the dense model, and fp8 weights. (The thresholds themselves, 2048 and 4096 tokens included,
 are checked on the plan alone.) A plan the engine is handed is followed, and the text generate.py prints comes from the plan.
 """
+import contextlib
 from collections import Counter
 
 import pytest
@@ -220,9 +221,9 @@ def test_the_router_goes_to_the_side_stream_only_where_nothing_reads_its_mask_be
     beside = ["norm_route_side"] * 2
     assert norms(side, 100) == norms(side, 100, start=8) == norms(side, 1023) == beside  # both: masks read late
     assert norms(policy.Policy(), 100) == ["norm_route"] * 2, "off by default"
-    # attention over the live tiles reads the layout (and Q's tiles, the mask) before any GEMM: the attention
+    # attention over the live tiles with Q for every head reads the layout before any GEMM: the attention
     # router stays in the norm's launch, as does the FFN's where gate+up's tiles read its layout
-    assert norms(side, 1024) == ["norm_route"] * 2
+    assert norms(side, 1024) == ["norm_route_side", "norm_route"], "Q's tiles: K and V's GEMM first, beside it"
     assert norms(policy.Policy(router_side_stream=True, live_attention_min_tokens=64), 100) == [
         "norm_route", "norm_route_side"]
     # decode steps: the GEMVs of a few rows read the mask at once; past them Q, K, V run for every head and
@@ -291,6 +292,26 @@ def test_the_side_streams_router_is_forked_after_the_norm_and_joined_before_its_
         log.clear()  # a decode step of 5 rows: decode attention reads it; the batch rule runs the FFN dense
         e(torch.randint(0, 96, (5, 1), generator=gen).to(DEV), input_pos=torch.full((5, 1), 13, device=DEV))
         assert log == [fork, "router on side", "qkv", join, "attention", "o", "gu", "swiglu", "down"] * len(m.layers)
+
+
+def test_with_qs_tiles_the_side_streams_router_runs_beside_k_and_vs_gemm(monkeypatch):
+    log = []
+    m = wide_model()
+    e = engine.Engine(m, Policy(router_side_stream=True, sparse_prefill_min_tokens=65, live_attention_min_tokens=65))
+    e.side = FakeStream("side", log)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: FakeStream("main", log))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext(log.append("router")))
+    for name in ("layout", "norm_route"):
+        fn = getattr(engine, name)
+        monkeypatch.setattr(engine, name, lambda *a, fn=fn, name=name, **k: log.append(name) or fn(*a, **k))
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: log.append("linear") or linear(*a, **k))
+    with torch.no_grad():
+        e(torch.randint(0, 96, (5, 13), generator=torch.Generator().manual_seed(2)).to(DEV))
+    assert e.step_plan(65, False).layers[0]["qkv"].kind == "tiles"
+    attention = ["side waits for main", "router", "norm_route", "linear", "main waits for side", "layout"]
+    layers = [log[i:i + 6] for i, x in enumerate(log) if x == "side waits for main"]
+    assert layers == [attention] * len(m.layers), "K and V's GEMM between the fork and the join, then the layout"
 
 
 def test_the_engine_follows_a_plan_it_is_handed(launches, monkeypatch, one_thread):
