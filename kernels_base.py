@@ -59,8 +59,6 @@ CONFIGS = {
     # prefill_chunks_h100.md (the row-tile kernel before this one).
     "norm_route_parts": dict(BT=16, BK=32, DS=512, num_warps=2, num_stages=3, FINISH_BK=128, finish_warps=4,
                              PREC="tf32x3"),
-    "norm_route_parts_short": dict(BT=16, BK=32, DS=128, num_warps=2, num_stages=3, FINISH_BK=128, finish_warps=4,
-                                   PREC="tf32x3"),
 }
 if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per element
     LONG_K = 64  # so the small test shapes exercise both decode gemm_k variants
@@ -78,7 +76,6 @@ if INTERPRET:  # few, big-ish programs: the interpreter pays per op, not per ele
         "gemm_k_atomic": dict(BN=32, BK=16),
         "attn_prefill": dict(BM=16, BN=16), "attn_decode": dict(BN=16, programs_per_sm=4, max_chunks=4),
         "norm_route_parts": dict(BT=16, BK=16, DS=32, FINISH_BK=32, finish_warps=4),
-        "norm_route_parts_short": dict(BT=16, BK=16, DS=16, FINISH_BK=16, finish_warps=4),
     })
 
 

@@ -24,7 +24,7 @@ from kernels import FP8, Fp8Rows, quantize_fp8
 from kernels_base import (INTERPRET, check_device, config_for, empty, launch_args, pdl_args, prior_done, router_rule,
                           router_second_linear, store_live)
 from model import apply_rope
-from policy import NORM_ROUTE_SHORT_MAX_TOKENS, NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE
+from policy import NORM_ROUTE_SPLIT_MAX_TOKENS, NORM_ROUTE_TILE
 
 
 def rms_norm_ref(x, norm, residual=None, fp8=False):
@@ -303,7 +303,7 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
     keep = empty((M, G), torch.uint8, x.device)
     keepf = empty((M, G), torch.float32, x.device)
     if M > split_max_tokens:  # a prefill chunk: D split over programs, then the slices' partial sums added up
-        cfg = norm_route_parts_config(M, config)
+        cfg = config_for("norm_route_parts", config)
         BT, BK, DS = cfg["BT"], cfg["BK"], cfg["DS"]
         assert DS % BK == 0 and DS % cfg["FINISH_BK"] == 0, "norm_route_parts: DS a multiple of BK and FINISH_BK"
         n_tiles, S, RP = triton.cdiv(M, BT), triton.cdiv(D, DS), max(16, triton.next_power_of_2(R))
@@ -323,13 +323,6 @@ def norm_route(x, norm, router, residual=None, tickets=None, ranks_per_program=N
     normed, z, live = _norm_route_split(x, norm, router, residual, tickets, ranks_per_program, x2, res, y, h, keep,
                                         keepf, tile_tokens, True)
     return normed, keep.view(torch.bool).view(B, T, G), keepf.view(B, T, G), live
-
-
-def norm_route_parts_config(tokens, override=None):
-    """The D-split pair's sizes for a chunk of this many tokens: a short chunk has few tiles of tokens, so its
-    programs come from narrower D-slices (results/kernels_h100_tune_norm_route.md: 100 and 256 tokens)."""
-    return config_for("norm_route_parts_short" if tokens <= NORM_ROUTE_SHORT_MAX_TOKENS else "norm_route_parts",
-                      override)
 
 
 class Decision(NamedTuple):

@@ -20,8 +20,6 @@ NORM_ROUTE_TILE = 4  # norm_route: tokens per program; each tile's last program 
                      # Linear token by token, and a step of one tile also gets its live list ...
 NORM_ROUTE_SPLIT_MAX_TOKENS = 64  # ... in steps of at most this many tokens (Policy.router_split_max_tokens);
                                   # longer ones run its two D-split kernels
-NORM_ROUTE_SHORT_MAX_TOKENS = 256  # ... whose sizes are CONFIGS["norm_route_parts_short"] up to this many tokens
-                                   # (narrower D-slices: more programs where few tiles of tokens are)
 
 
 class Shape(NamedTuple):

@@ -21,7 +21,6 @@ import kernels_base
 from bench.cases import (case_decode_attention, case_gate_up, case_k, case_norm_route, case_prefill_attention, case_q,
                          check, command_line, rand_mask)
 from bench.common import bench_ms, graph_ms, meta, save
-from policy import NORM_ROUTE_SHORT_MAX_TOKENS
 
 
 # CONFIGS key -> (case, block-size variants). Each variant goes to the op as config= (and block_m to the
@@ -122,8 +121,7 @@ def tune_table(s):
         "attn_prefill": (lambda: case_prefill_attention(s), [v(8, 2, BM=128, BN=128)]),
         # a prefill chunk's norm + router: the D-split pair's tiles, slices and warps (first half; FINISH_BK and
         # finish_warps the second's) and dot precision, and the split kernel in tiles of 16 instead
-        **{f"norm_route_parts{'_short' * (T <= NORM_ROUTE_SHORT_MAX_TOKENS)} {T}": (
-            lambda T=T: case_norm_route(s, T, s.FFN // s.ffn_gs), [
+        **{f"norm_route_parts {T}": (lambda T=T: case_norm_route(s, T, s.FFN // s.ffn_gs), [
             v(2, 3, BT=16, BK=32, DS=128, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
             v(2, 3, BT=16, BK=32, DS=256, FINISH_BK=128, finish_warps=4, PREC="tf32x3"),
             v(2, 3, BT=16, BK=32, DS=512, FINISH_BK=256, finish_warps=4, PREC="tf32x3"),

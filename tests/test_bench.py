@@ -212,7 +212,7 @@ def test_tune_takes_several_names_and_checks_the_prefetch_variant(tmp_path):
 def test_tune_times_the_prefill_router_d_split_pair_against_the_split_kernel_and_the_plain_norm(tmp_path):
     data, _ = smoke(tmp_path, "bench.tune", "--only", "norm_route")
     (pair,) = data["results"].values()
-    assert pair["current"] == data["results"]["norm_route_parts_short 20"]["current"]
+    assert pair["current"] == data["results"]["norm_route_parts 20"]["current"]
     assert pair["timing"] == "cuda_graph", "microsecond kernels: timed as graph replays"
     assert set(pair["others_ms"]) == {"rms_norm"}, "the dense model's plain norm timed beside the router module"
     first, last = pair["variants"]  # --smoke: the current D-split pair, and the split kernel in tiles of 16

@@ -9,7 +9,6 @@ import torch
 
 import engine
 import kernels
-import kernels_base
 import kernels_gemv
 import kernels_step
 import policy
@@ -176,16 +175,7 @@ SPLIT_D = [(1, policy.NORM_ROUTE_SPLIT_MAX_TOKENS + 1, 64, 4, None),
            (2, 37, 100, 4, dict(BT=16, BK=16, DS=32, FINISH_BK=32)),
            (1, 70, 96, 4, dict(BT=16, BK=32, DS=96, FINISH_BK=32)),
            (3, 30, 160, 7, dict(BT=32, BK=16, DS=64, FINISH_BK=16)),
-           (1, policy.NORM_ROUTE_SHORT_MAX_TOKENS + 1, 64, 4, None),  # past the short chunks' sizes
            (1, 70, 100, 4, dict(BT=16, BK=32, DS=32, FINISH_BK=32))]  # one step per slice (weights before the wait)
-
-
-def test_prefill_norm_route_sizes_short_chunks_by_their_own_config_key():
-    short, long = kernels_base.CONFIGS["norm_route_parts_short"], kernels_base.CONFIGS["norm_route_parts"]
-    assert short["DS"] < long["DS"], "a short chunk's programs come from narrower D-slices"
-    assert kernels_step.norm_route_parts_config(policy.NORM_ROUTE_SHORT_MAX_TOKENS) == short
-    assert kernels_step.norm_route_parts_config(policy.NORM_ROUTE_SHORT_MAX_TOKENS + 1) == long
-    assert kernels_step.norm_route_parts_config(1, dict(DS=8))["DS"] == 8, "a caller's override on top"
 
 
 def split_d_case(B, T, D, G, config, scale, dtype=torch.float32):
@@ -200,7 +190,7 @@ def split_d_case(B, T, D, G, config, scale, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("B, T, D, G, config", SPLIT_D,
-                         ids=["65 tokens", "D=100", "one slice", "BT=32, G=7", "257 tokens", "BK=DS"])
+                         ids=["65 tokens", "D=100", "one slice", "BT=32, G=7", "BK=DS"])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("scale", [4.0, 1e-3])  # 1e-3: mean square ~1e-6, where eps = 1e-5 matters
 def test_prefill_norm_route_splits_d_and_matches_twin_and_the_router_itself(launches, B, T, D, G, config,
@@ -215,7 +205,7 @@ def test_prefill_norm_route_splits_d_and_matches_twin_and_the_router_itself(laun
         assert torch.equal(keepf, r(res + x if with_residual else x)), "the twin is the router's own rule"
         for got, want in zip(normed if with_residual else [normed], ref_normed if with_residual else [ref_normed]):
             assert_close(got, want, atol=1e-5, what="h / RMSNorm(h) (or never written: NaN)")
-    cfg = kernels_step.norm_route_parts_config(B * T, config)
+    cfg = kernels_step.config_for("norm_route_parts", config)
     tiles, S = -(-B * T // cfg["BT"]), -(-D // cfg["DS"])
     assert launches.grids["norm_route_part_kernel"] == [(tiles, S)], "a program per (token tile, D-slice)"
     assert launches.grids["norm_route_finish_kernel"] == [(tiles, S + 1)], "... and one more per tile: the rule"
@@ -223,7 +213,7 @@ def test_prefill_norm_route_splits_d_and_matches_twin_and_the_router_itself(laun
     assert 0 < keep.float().mean() < 1, "a test router should skip some groups"
 
 
-@pytest.mark.parametrize("B, T, D, G, config", SPLIT_D[1:2] + SPLIT_D[3:4], ids=["D=100", "BT=32, G=7"])
+@pytest.mark.parametrize("B, T, D, G, config", SPLIT_D[1:2] + SPLIT_D[3:], ids=["D=100", "BT=32, G=7"])
 def test_prefill_norm_route_in_bf16_matches_twin_to_rounding_and_decides_on_the_h_it_wrote(B, T, D, G, config):
     # The interpreter's fp32 -> bf16 conversion may round differently from torch's, so h is checked to
     # one bf16 step and the decisions against the router's rule on the h the kernel wrote.
