@@ -213,7 +213,7 @@ def test_prefill_norm_route_splits_d_and_matches_twin_and_the_router_itself(laun
     assert 0 < keep.float().mean() < 1, "a test router should skip some groups"
 
 
-@pytest.mark.parametrize("B, T, D, G, config", SPLIT_D[1:2] + SPLIT_D[3:], ids=["D=100", "BT=32, G=7"])
+@pytest.mark.parametrize("B, T, D, G, config", SPLIT_D[1:2] + SPLIT_D[3:4], ids=["D=100", "BT=32, G=7"])
 def test_prefill_norm_route_in_bf16_matches_twin_to_rounding_and_decides_on_the_h_it_wrote(B, T, D, G, config):
     # The interpreter's fp32 -> bf16 conversion may round differently from torch's, so h is checked to
     # one bf16 step and the decisions against the router's rule on the h the kernel wrote.
