@@ -407,8 +407,8 @@ def markdown(m):
             "the linears through cuBLAS instead of WIDE's kernels with every group live, 'PDL off' = the best of those launched "
             "without programmatic dependent launch); WIDE by policy ('default' = Policy(); 'all sparse' = Q and "
             "O through their kernels at this batch, the FFN as the batch rule says; 'rule in norm_route' = batch 1 with "
-            "the routers' rule applied by norm_route instead of the GEMV after it; 'router side stream' = the router module "
-            "on a side stream beside Q, K, V (Policy.router_side_stream); 'PDL off' = default without it):",
+            "the routers' rule applied by norm_route instead of the GEMV after it; 'router side stream' = the router's "
+            "decision on a side stream beside Q, K, V (Policy.router_side_stream); 'PDL off' = default without it):",
             ""]
     for r in rows:
         if "dense_ms_by_policy" in r:
