@@ -227,8 +227,7 @@ class Policy:
                                 and ops["qkv"].kind == "cublas_every_head"),
                                ("ffn_norm", ops["gate_up"].kind == "cublas_masked" and not shape.ffn_vote)):
                 if late and ops[norm].kind == "norm_route":  # its decision beside, bit for bit the same
-                    ops[norm] = Op("norm_route_side", "Triton, side stream", kernels=("rms_norm_kernel",)
-                                   + ops[norm].kernels)
+                    ops[norm] = Op("norm_route_side", "Triton", kernels=("rms_norm_kernel",) + ops[norm].kernels)
                 elif late and ops[norm].kind == "norm_then_router":
                     ops[norm] = ops[norm]._replace(kind="norm_then_router_side", runs="Triton + torch, side stream")
         return {name: ops[name] for name in LAYER_OPS if name in ops}

@@ -50,7 +50,8 @@ def op_sequence(plan):
 
 def assign_ops(kernels, plan):
     """kernels: [(name, start_us, end_us)] of one step in launch order -> [(op label, name, us, gap_us)].
-    Walks the plan's ops in order: a Triton kernel goes to the next op still due to launch it; a library
+    Walks the plan's ops in order: a Triton kernel goes to the first op still due to launch it (one on a side
+    stream may start after a later op's kernels: it goes back to its op, and the walk goes on); a library
     GEMM to the next op off Triton (cuBLAS, SDPA, torch) that has had none yet, but never past another op with
     Triton launches still due (so a GEMM that comes as two kernels stays with its op); anything else to
     the op of the kernel before it, or to the next op if that one runs on torch alone and this one has made
@@ -60,10 +61,15 @@ def assign_ops(kernels, plan):
     gemmed = set()
     at, out, prev_end = 0, [], None
     for name, t0, t1 in kernels:
-        hit = next((i for i in range(at, len(seq)) for k in due[i] if k in name), None)
+        # (from the first op still due to launch it: a side stream's kernel may start after later ops' kernels)
+        hit = next((i for i in range(len(seq)) for k in due[i] if k in name), None)
         if hit is not None:
+            due[hit].remove(next(k for k in due[hit] if k in name))
+            if hit < at:  # the side stream's: its op, and the walk stays where it is
+                out.append((seq[hit][0], name, t1 - t0, max(0.0, t0 - prev_end)))
+                prev_end = max(prev_end, t1)
+                continue
             at = hit
-            due[at].remove(next(k for k in due[at] if k in name))
         elif is_gemm(name):
             for i in range(at, len(seq)):
                 if seq[i][1].runs != "Triton" and i not in gemmed:  # (its own Triton launches come after it)
@@ -76,7 +82,7 @@ def assign_ops(kernels, plan):
             at += 1  # the next op is torch's alone (the embedding after a later chunk's every-head layout)
             gemmed.add(at)
         out.append((seq[at][0], name, t1 - t0, 0.0 if prev_end is None else max(0.0, t0 - prev_end)))
-        prev_end = t1
+        prev_end = t1 if prev_end is None else max(prev_end, t1)  # (two streams: the later end)
     return out
 
 

@@ -111,6 +111,23 @@ def test_the_profile_lands_beside_the_e2e_results():
     assert bp.profile_out("/tmp/x/run") == "/tmp/x/run_decode_profile"
 
 
+def test_a_side_streams_router_goes_to_its_norm_even_when_it_starts_after_the_gemm_beside_it():
+    # Policy.router_side_stream at decode B32: the plain norm, then Q, K, V's GEMM on the main stream while
+    # norm_route decides on the side stream, starting after the GEMM does; the gap after an overlapped kernel
+    # counts from the later of the two ends
+    plan = policy.Policy(router_side_stream=True).plan(policy.Shape(32, True, dense_ffn=True), WIDE)
+    assert plan.layers[0]["attn_norm"].kind == "norm_route_side"
+    layer = [("_rms_norm_kernel", 0, 2), ("nvjet_tst_qkv", 3, 20), ("_norm_route_kernel", 4, 12),
+             ("_rope_kernel", 21, 23), ("_attn_decode_kernel", 24, 40), ("nvjet_o", 41, 50),
+             ("_rms_norm_kernel", 51, 53), ("nvjet_gate_up", 54, 80), ("_swiglu_rows_kernel", 81, 83),
+             ("nvjet_down", 84, 100)]
+    kernels = [(n, t0 + 100 * i, t1 + 100 * i) for i in range(2) for n, t0, t1 in layer]
+    got = bp.assign_ops(kernels + [("_rms_norm_kernel", 201, 202), ("nvjet_head", 203, 210)], plan)
+    want = ["attn_norm", "qkv", "attn_norm", "rope", "attention", "o", "ffn_norm", "gate_up", "gate_up", "down"]
+    assert [g[0] for g in got] == want * 2 + ["step_norm", "step_head"]
+    assert [g[3] for g in got[:4]] == [0.0, 1.0, 0.0, 1.0], "rope's gap from the GEMM's end, not the router's"
+
+
 def test_a_gemm_that_comes_as_two_kernels_stays_with_its_op_and_nothing_shifts():
     # cuBLAS may run one GEMM as two kernels (e.g. a split-K pass with a GEMM-like name): the second must
     # not take the next cuBLAS op, or every later kernel would land one op (and one layer) late.
