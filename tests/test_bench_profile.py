@@ -126,6 +126,10 @@ def test_a_side_streams_router_goes_to_its_norm_even_when_it_starts_after_the_ge
     want = ["attn_norm", "qkv", "attn_norm", "rope", "attention", "o", "ffn_norm", "gate_up", "gate_up", "down"]
     assert [g[0] for g in got] == want * 2 + ["step_norm", "step_head"]
     assert [g[3] for g in got[:4]] == [0.0, 1.0, 0.0, 1.0], "rope's gap from the GEMM's end, not the router's"
+    # the router starting first and ending last: RoPE after the GEMM waited on nothing (the GPU was busy)
+    early = [("_rms_norm_kernel", 0, 2), ("_norm_route_kernel", 2, 30), ("nvjet_tst_qkv", 3, 20), ("_rope_kernel", 21, 23)]
+    got = bp.assign_ops(early, plan)
+    assert [g[0] for g in got] == ["attn_norm", "attn_norm", "qkv", "rope"] and got[3][3] == 0.0
 
 
 def test_a_gemm_that_comes_as_two_kernels_stays_with_its_op_and_nothing_shifts():
