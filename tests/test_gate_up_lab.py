@@ -24,7 +24,7 @@ def test_interleave_puts_gate_and_up_rows_in_pairs():
     assert torch.equal(wi[0::2], gate) and torch.equal(wi[1::2], up)
 
 
-@pytest.mark.parametrize("lab", ["research.gate_up_lab", "research.ffn_flow_lab"])
+@pytest.mark.parametrize("lab", ["research.gate_up_lab", "research.ffn_flow_lab", "research.attn_o_lab"])
 def test_each_kernel_lab_without_a_gpu_stops_in_one_line(lab):  # (research.lab.lab_main, shared)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""

@@ -1,0 +1,21 @@
+"""research/attn_o_lab.py: its batch-1 decode attention + O kernel, one launch (O waiting on each head group's
+merged output) and two, equals the fp64 twin, reads no skipped group's O columns or K/V, no key past kv_len (all
+NaN) and no skipped group's output (NaN before each launch), and leaves its tickets and flags zero for the next
+launch (without a GPU it stops in one line: tests/test_gate_up_lab.py)."""
+import pytest
+
+from research import attn_o_lab as lab
+
+# 8 query heads in 2 groups (one KV head's 4 each), head dim 16, a model dim of 36 (a block of O's rows past the end)
+SHAPE = (8, 2, 16, 36, 48)
+
+
+@pytest.mark.parametrize("skipped", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("kv_len", [40, 17, 1], ids=["3 chunks", "2 chunks, the last short", "one key"])
+def test_attention_and_o_equal_the_twin_one_launch_and_two(kv_len, skipped):
+    assert lab.check(SHAPE, kv_len, skipped, (16, 16, 8, 4)) < (1e-5 if lab.INTERP else 1e-2)
+
+
+def test_one_chunk_per_group_stores_without_a_merge():
+    # CH past kv_len: one item per group, no partials, no ticket; O's rows one block per program
+    assert lab.check(SHAPE, 40, 0.5, (64, 16, 4, 4)) < (1e-5 if lab.INTERP else 1e-2)
