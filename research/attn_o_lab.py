@@ -138,7 +138,8 @@ class AttnO:
         self.finished = torch.zeros(1, dtype=torch.int32, device=device)
         self.H, self.Hkv, self.hd, self.DM, self.max_items = H, Hkv, hd, DM, max_items
 
-    def __call__(self, q, k, v, wo, res, live, kv_len, cfg, one_launch=True):
+    def __call__(self, q, k, v, wo, res, live, kv_len, cfg, one_launch=True, o_too=True):
+        """out = res + O @ attention; o_too=False (two launches only): the attention launch alone, out unwritten."""
         CH, BN, BNB, nw = cfg
         hpk = self.H // self.Hkv
         NC = triton.cdiv(kv_len, CH)
@@ -153,7 +154,8 @@ class AttnO:
             lab_attn_o[(PA + PB,)](*args, ROLE=0, **sizes)
         else:
             lab_attn_o[(PA,)](*args, ROLE=1, **sizes)
-            lab_attn_o[(PB,)](*args, ROLE=2, **sizes)
+            if o_too:
+                lab_attn_o[(PB,)](*args, ROLE=2, **sizes)
         return out
 
 
@@ -210,35 +212,42 @@ CONFIGS = [(128, 64, 4, 4), (128, 64, 8, 4), (256, 64, 8, 4), (128, 128, 16, 8),
 LLAMA = (32, 8, 128, 4096)  # query heads, KV heads, head dim, model dim
 
 
-def sweep(copies=8):
-    H, Hkv, hd, DM = LLAMA
+def sweep(copies=8, shape=LLAMA, kv_lens=(1024, 8192)):
+    H, Hkv, hd, DM = shape
+    dtype = torch.float32 if INTERP else torch.bfloat16
     rows = []
-    for kv_len in (1024, 8192):
+    for kv_len in kv_lens:
         for skipped in (0.5, 0.0):
-            probs = [problem(H, Hkv, hd, DM, kv_len, kv_len, skipped, torch.bfloat16, seed=s) for s in range(copies)]
+            probs = [problem(H, Hkv, hd, DM, kv_len, kv_len, skipped, dtype, seed=s) for s in range(copies)]
             keep = probs[0][-1]
             live, mask = live_ref(keep), keep[None]
             tickets = torch.zeros(4096, dtype=torch.int32, device=DEV)
             kvl = torch.tensor([kv_len], dtype=torch.int32, device=DEV)
-            live_bytes = (DM * H * hd + 2 * kv_len * Hkv * hd) * 2 * (1 - skipped)
+            kv_bytes = 2 * kv_len * Hkv * hd * 2 * (1 - skipped)  # the live groups' K and V
+            live_bytes = kv_bytes + DM * H * hd * 2 * (1 - skipped)  # and O's live columns
             shipped_attn = lambda p: attention_decode(p[0].view(1, H, 1, hd), p[1][None], p[2][None], mask, kvl,
                                                       tickets=tickets)
-            timed = [("shipped attention alone", None, shipped_attn),
+            # (name, config to check against the twin first, the call, its live bytes)
+            timed = [("shipped attention alone", None, shipped_attn, kv_bytes),
                      ("shipped: attention_decode + gemm_k", None, lambda p: kernels.gemm_k(
                          shipped_attn(p).view(1, H * hd), p[3], mask, H // Hkv * hd, residual=p[4][None],
-                         tickets=tickets, live=live))]
+                         tickets=tickets, live=live), live_bytes)]
             for cfg in CONFIGS:
-                lab = AttnO(H, Hkv, hd, DM, kv_len, torch.bfloat16, DEV)
-                timed += [(f"lab, two launches {cfg}", cfg, lambda p, f=lab, c=cfg: f(*p[:5], live, kv_len, c, False)),
-                          (f"lab, one launch {cfg}", cfg, lambda p, f=lab, c=cfg: f(*p[:5], live, kv_len, c, True))]
+                lab = AttnO(H, Hkv, hd, DM, kv_len, dtype, DEV)
+                timed += [(f"lab attention alone {cfg}", None,
+                           lambda p, f=lab, c=cfg: f(*p[:5], live, kv_len, c, False, False), kv_bytes),
+                          (f"lab, two launches {cfg}", None,
+                           lambda p, f=lab, c=cfg: f(*p[:5], live, kv_len, c, False), live_bytes),
+                          (f"lab, one launch {cfg}", cfg,
+                           lambda p, f=lab, c=cfg: f(*p[:5], live, kv_len, c, True), live_bytes)]
 
-            def measure(cfg, fn):
-                if cfg is not None:
+            def measure(cfg, fn, nbytes):
+                if cfg is not None:  # one launch and two against the twin
                     check((H, Hkv, hd, DM, kv_len), kv_len, skipped, cfg)
                 us = graph_ms(False, [lambda p=p: fn(p) for p in probs]) * 1e3
-                return dict(us=us, tb_s=live_bytes / us / 1e6)
-            rows += [lab_row(dict(kv_len=kv_len, skipped=skipped), name, lambda: measure(cfg, fn))
-                     for name, cfg, fn in timed]
+                return dict(us=us, tb_s=nbytes / us / 1e6)
+            rows += [lab_row(dict(kv_len=kv_len, skipped=skipped), name, lambda: measure(cfg, fn, nbytes))
+                     for name, cfg, fn, nbytes in timed]
     return rows
 
 
@@ -246,9 +255,9 @@ def markdown(m, rows):
     lines = [f"# Decode attention and O in one launch, lab, on {m['gpu']}", "", f"torch {m['torch']}, triton "
              f"{m['triton']}, {m['date']}, `{m['command']}`. Llama-3.1-8B's attention at batch 1 (32 query heads in 8 "
              "groups of one KV head's 4, head dim 128, O 4096 x 4096), bf16, one token, a random group mask; CUDA-graph "
-             "replay over 8 copies of O's weight and the cache (L2 defeated), us per layer. TB/s: the live bytes (O's "
-             "live columns, the live groups' K and V) per second. Lab config: (keys per attention item, keys per step, "
-             "O's rows per program, num_warps).", "",
+             "replay over 8 copies of O's weight and the cache (L2 defeated), us per layer. TB/s: the live bytes (the "
+             "live groups' K and V, and O's live columns unless the row is attention alone) per second. Lab config: "
+             "(keys per attention item, keys per step, O's rows per program, num_warps).", "",
              "| keys | skipped | kernel | us | TB/s of live bytes |", "|---|---|---|---|---|"]
     lines += [f"| {r['kv_len']} | {r['skipped']:.0%} | {r['kernel']} | "
               + " | ".join(cells(r, ("us", ".1f"), ("tb_s", ".2f"))) + " |" for r in rows]
