@@ -31,10 +31,9 @@ import triton.language as tl
 
 import cli
 import kernels
-from bench.common import graph_ms
 from kernels_attention import _attn_block, attention_decode
 from kernels_step import live_ref
-from research.lab import cells, lab_main, lab_row
+from research.lab import cells, graph_rows, lab_main
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP else "cuda"
@@ -227,7 +226,7 @@ def sweep(copies=8, shape=LLAMA, kv_lens=(1024, 8192)):
             live_bytes = kv_bytes + DM * H * hd * 2 * (1 - skipped)  # and O's live columns
             shipped_attn = lambda p: attention_decode(p[0].view(1, H, 1, hd), p[1][None], p[2][None], mask, kvl,
                                                       tickets=tickets)
-            # (name, config to check against the twin first, the call, its live bytes)
+            # (name, its check against the twin (one launch and two) or None, the call, its live bytes)
             timed = [("shipped attention alone", None, shipped_attn, kv_bytes),
                      ("shipped: attention_decode + gemm_k", None, lambda p: kernels.gemm_k(
                          shipped_attn(p).view(1, H * hd), p[3], mask, H // Hkv * hd, residual=p[4][None],
@@ -238,16 +237,10 @@ def sweep(copies=8, shape=LLAMA, kv_lens=(1024, 8192)):
                            lambda p, f=lab, c=cfg: f(*p[:5], live, kv_len, c, False, False), kv_bytes),
                           (f"lab, two launches {cfg}", None,
                            lambda p, f=lab, c=cfg: f(*p[:5], live, kv_len, c, False), live_bytes),
-                          (f"lab, one launch {cfg}", cfg,
-                           lambda p, f=lab, c=cfg: f(*p[:5], live, kv_len, c, True), live_bytes)]
-
-            def measure(cfg, fn, nbytes):
-                if cfg is not None:  # one launch and two against the twin
-                    check((H, Hkv, hd, DM, kv_len), kv_len, skipped, cfg)
-                us = graph_ms(False, [lambda p=p: fn(p) for p in probs]) * 1e3
-                return dict(us=us, tb_s=nbytes / us / 1e6)
-            rows += [lab_row(dict(kv_len=kv_len, skipped=skipped), name, lambda: measure(cfg, fn, nbytes))
-                     for name, cfg, fn, nbytes in timed]
+                          (f"lab, one launch {cfg}", lambda c=cfg, n=kv_len, sk=skipped: check(
+                              (H, Hkv, hd, DM, n), n, sk, c), lambda p, f=lab, c=cfg: f(*p[:5], live, kv_len, c, True),
+                           live_bytes)]
+            rows += graph_rows(dict(kv_len=kv_len, skipped=skipped), timed, probs)
     return rows
 
 

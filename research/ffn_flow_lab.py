@@ -26,8 +26,7 @@ import triton.language as tl
 import cli
 import kernels
 from kernels_step import live_ref
-from bench.common import graph_ms
-from research.lab import cells, lab_main, lab_row
+from research.lab import cells, graph_rows, lab_main
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP else "cuda"
@@ -150,28 +149,27 @@ def check(D, I, gs, skipped, cfg, seed=1):
 CONFIGS = [(2, 16, 256, 16, 4), (2, 16, 256, 32, 4), (4, 8, 512, 16, 4), (1, 32, 256, 16, 8)]
 
 
-def sweep(copies=8):
-    D, I, gs = 4096, 14336, 128  # Llama-3.1-8B's FFN, the engine's FFN groups
+def sweep(copies=8, shape=(4096, 14336, 128)):
+    D, I, gs = shape  # Llama-3.1-8B's FFN, the engine's FFN groups
+    dtype = torch.float32 if INTERP else torch.bfloat16
     rows = []
     for skipped in (0.5, 0.0):
-        probs = [problem(D, I, gs, skipped, torch.bfloat16, seed=s) for s in range(copies)]
+        probs = [problem(D, I, gs, skipped, dtype, seed=s) for s in range(copies)]
         keep = probs[0][-1]
         live, mask = live_ref(keep), keep[None]
         tickets = torch.zeros(4096, dtype=torch.int32, device=DEV)
         live_bytes = 3 * D * I * 2 * (1 - skipped)
+        # (name, its check against the twin (one launch and two) or None, the call, its live bytes)
         timed = [("shipped: gemm_mn GEMV (w_up) + gemm_k", None, lambda p: kernels.gemm_k(
             kernels.gemm_mn(p[0][None], p[1], mask, gs, w_up=p[2]), p[3], mask, gs, residual=p[4][None],
-            tickets=tickets))]
+            tickets=tickets), live_bytes)]
         for cfg in CONFIGS:
-            flow = Flow(D, I, gs, torch.bfloat16, DEV)
-            timed += [(f"lab, two launches {cfg}", cfg, lambda p, f=flow, c=cfg: f(*p[:5], live, c, False)),
-                      (f"lab, one launch {cfg}", cfg, lambda p, f=flow, c=cfg: f(*p[:5], live, c, True))]
-        def measure(cfg, fn):
-            if cfg is not None:
-                check(D, I, gs, skipped, cfg)
-            us = graph_ms(False, [lambda p=p: fn(p) for p in probs]) * 1e3
-            return dict(us=us, tb_s=live_bytes / us / 1e6)
-        rows += [lab_row(dict(skipped=skipped), name, lambda: measure(cfg, fn)) for name, cfg, fn in timed]
+            flow = Flow(D, I, gs, dtype, DEV)
+            timed += [(f"lab, two launches {cfg}", None, lambda p, f=flow, c=cfg: f(*p[:5], live, c, False),
+                       live_bytes),
+                      (f"lab, one launch {cfg}", lambda c=cfg, sk=skipped: check(D, I, gs, sk, c),
+                       lambda p, f=flow, c=cfg: f(*p[:5], live, c, True), live_bytes)]
+        rows += graph_rows(dict(skipped=skipped), timed, probs)
     return rows
 
 

@@ -5,7 +5,7 @@ import os
 import torch
 
 import cli
-from bench.common import meta, save
+from bench.common import graph_ms, meta, save
 
 
 def lab_main(argv, doc, name, on_cpu, sweep, markdown):
@@ -43,3 +43,14 @@ def cells(row, *formats):
     if "err" in row:
         return ["failed: " + row["err"][:80]] + [""] * (len(formats) - 1)
     return [format(row[k], f) for k, f in formats]
+
+
+def graph_rows(keys, timed, probs):
+    """One problem's rows: each (name, check or None, call, live bytes) in timed is checked (against its twin), then
+    timed as a CUDA-graph replay of call(p) for every copy p in probs (L2 defeated), us per call and TB/s."""
+    def measure(check, fn, nbytes):
+        if check is not None:
+            check()
+        us = graph_ms(False, [lambda p=p: fn(p) for p in probs]) * 1e3
+        return dict(us=us, tb_s=nbytes / us / 1e6)
+    return [lab_row(keys, name, lambda c=c, fn=fn, nb=nb: measure(c, fn, nb)) for name, c, fn, nb in timed]

@@ -19,3 +19,15 @@ def test_attention_and_o_equal_the_twin_one_launch_and_two(kv_len, skipped):
 def test_one_chunk_per_group_stores_without_a_merge():
     # CH past kv_len: one item per group, no partials, no ticket; O's rows one block per program
     assert lab.check(SHAPE, 40, 0.5, (64, 16, 4, 4)) < (1e-5 if lab.INTERP else 1e-2)
+
+
+def test_the_sweep_times_every_row_without_an_error(monkeypatch):
+    # the GPU sweep's row builder at a small shape: graph replay swapped for one eager call of each copy
+    import bench.common
+    import research.lab
+    monkeypatch.setattr(research.lab, "graph_ms", lambda smoke, fns, reps=20: bench.common.graph_ms(True, fns))
+    monkeypatch.setattr(lab, "CONFIGS", [(16, 16, 8, 4)])
+    rows = lab.sweep(copies=2, shape=SHAPE[:4], kv_lens=(40,))
+    assert len(rows) == 2 * 5 and all("err" not in r and r["us"] > 0 for r in rows), rows
+    assert "| 40 | 50% | lab, one launch (16, 16, 8, 4) |" in lab.markdown(
+        dict(gpu="g", torch="t", triton="t", date="d", command="c"), rows)
