@@ -41,8 +41,8 @@ def attention_prefill_ref(q, k, v, head_mask, causal=True, start=0):
 
 
 @triton.jit
-def _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, start, pos, kv_end, qk_scale,
-                BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+def attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, start, pos, kv_end, qk_scale,
+               BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
     # One online-softmax step over keys [start, start+BN) (exp2 domain). MASKED: causal + bounds.
     kv = start + tl.arange(0, BN)
     dd = tl.arange(0, D)
@@ -121,11 +121,11 @@ def _attn_prefill_kernel(q, k, v, o, perm, bcounts, B, T, G, MT, start, LK,
         mid = LK // BN * BN
         lim = pos * 0 + LK
     for s in range(0, mid, BN):
-        acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, s, lim, kv_end, qk_scale,
-                                    BN, D, False, IEEE)
+        acc, m_i, l_i = attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, s, lim, kv_end, qk_scale,
+                                   BN, D, False, IEEE)
     for s in range(mid, kv_end, BN):
-        acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, s, lim, kv_end, qk_scale,
-                                    BN, D, True, IEEE)
+        acc, m_i, l_i = attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, s, lim, kv_end, qk_scale,
+                                   BN, D, True, IEEE)
     tl.store(o + b * sob + head[:, None] * soh + pos[:, None] * sot + dd[None, :],
              (acc / l_i[:, None]).to(o.dtype.element_ty), mask=ok[:, None])
 
@@ -237,11 +237,11 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     pos = r * 0 + end  # decode: every cached key up to kv_len is visible
     full = start + (end - start) // BN * BN
     for t0 in range(start, full, BN):
-        acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
-                                    BN, D, False, IEEE)
+        acc, m_i, l_i = attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
+                                   BN, D, False, IEEE)
     for t0 in range(full, end, BN):
-        acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
-                                    BN, D, True, IEEE)
+        acc, m_i, l_i = attn_block(acc, m_i, l_i, qt, kb, vb, skt, svt, t0, pos, end, qk_scale,
+                                   BN, D, True, IEEE)
     optr = o + b * sob + head[:, None] * soh + dd[None, :]
     if items == 1:  # the pair's keys in one chunk: nothing to merge
         tl.store(optr, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=act[:, None])

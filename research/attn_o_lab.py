@@ -31,7 +31,7 @@ import triton.language as tl
 
 import cli
 import kernels
-from kernels_attention import _attn_block, attention_decode
+from kernels_attention import attn_block, attention_decode
 from kernels_step import live_ref
 from research.lab import cells, graph_rows, lab_main
 
@@ -66,11 +66,11 @@ def lab_attn_o(q, k, v, wo, res, o, out, live, po, plse, tickets, done, finished
             pos = r * 0 + end
             full = start + (end - start) // BN * BN
             for t0 in range(start, full, BN):
-                acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, k + g * skh, v + g * skh, skt, skt, t0, pos, end,
-                                            qk_scale, BN, HD, False, IEEE)
+                acc, m_i, l_i = attn_block(acc, m_i, l_i, qt, k + g * skh, v + g * skh, skt, skt, t0, pos, end,
+                                           qk_scale, BN, HD, False, IEEE)
             for t0 in range(full, end, BN):
-                acc, m_i, l_i = _attn_block(acc, m_i, l_i, qt, k + g * skh, v + g * skh, skt, skt, t0, pos, end,
-                                            qk_scale, BN, HD, True, IEEE)
+                acc, m_i, l_i = attn_block(acc, m_i, l_i, qt, k + g * skh, v + g * skh, skt, skt, t0, pos, end,
+                                           qk_scale, BN, HD, True, IEEE)
             optr = o + head[:, None] * HD + dd[None, :]
             if NC == 1:
                 tl.store(optr, (acc / l_i[:, None]).to(o.dtype.element_ty), mask=act[:, None])
