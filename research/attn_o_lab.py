@@ -20,7 +20,8 @@ list), on CUDA-graph replay over rotating weights and caches.
     python -m research.attn_o_lab                   # -> results/attn_o_lab_<gpu>.{json,md}
     TRITON_INTERPRET=1 python -m research.attn_o_lab   # the lab kernel against its twin on the CPU, small sizes
 
-Config tuples: (CH keys per item, BN keys per step, BNB rows of O per program, num_warps).
+Config tuples: (CH keys per item, at least: longer where a group would have more items than the shipped kernel's
+max_chunks, BN keys per step, BNB rows of O per program, num_warps).
 """
 import math
 import os
@@ -31,6 +32,7 @@ import triton.language as tl
 
 import cli
 import kernels
+import kernels_base
 from kernels_attention import attn_block, attention_decode
 from kernels_step import live_ref
 from research.lab import cells, graph_rows, lab_main
@@ -141,7 +143,9 @@ class AttnO:
         """out = res + O @ attention; o_too=False (two launches only): the attention launch alone, out unwritten."""
         CH, BN, BNB, nw = cfg
         hpk = self.H // self.Hkv
-        NC = triton.cdiv(kv_len, CH)
+        # at most the shipped kernel's max_chunks items per group: the merge reads them one by one
+        CH = max(CH, triton.cdiv(triton.cdiv(kv_len, kernels_base.CONFIGS["attn_decode"]["max_chunks"]), BN) * BN)
+        NC = self.chunks = triton.cdiv(kv_len, CH)
         PA, PB = self.Hkv * NC, triton.cdiv(self.DM, BNB)  # attention: room for every group's items
         assert PA <= self.max_items and CH % BN == 0 and k.stride() == v.stride()
         out = torch.empty_like(res)
