@@ -173,6 +173,27 @@ def attention_decode_ref(q, k_cache, v_cache, head_mask, kv_len):
 
 
 @triton.jit
+def merge_chunks(po, plse, first, items, r, HPK: tl.constexpr, BH: tl.constexpr, D: tl.constexpr):
+    # Chunks first..first+items-1 of one KV head's HPK query heads (rows r): each chunk's normalised partial (po)
+    # and log2-sum-exp (plse), merged in chunk order, one partial at a time (a merge over all of them at once would
+    # hold them all in registers for the whole kernel and cost it occupancy). Returns the merged output [BH, D].
+    dd = tl.arange(0, D)
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, D], tl.float32)
+    for it in range(first, first + items):
+        crow = it * HPK + r
+        lse = tl.load(plse + crow, mask=r < HPK, other=0.0, cache_modifier=".cg")
+        part = tl.load(po + crow[:, None] * D + dd[None, :], mask=(r < HPK)[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        old, wgt = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+        acc = acc * old[:, None] + wgt[:, None] * part
+        l = l * old + wgt
+        m = m_new
+    return acc / l[:, None]
+
+
+@triton.jit
 def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, NP, TARGET,
                         sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh, qk_scale,
                         HKV: tl.constexpr, HPK: tl.constexpr, HPG: tl.constexpr, H2: tl.constexpr,
@@ -253,19 +274,8 @@ def _attn_decode_kernel(q, k, v, head_mask, kv_len, po, plse, tickets, o, B, G, 
     if tl.atomic_add(tickets + pj, 1) != items - 1:
         return
     tl.atomic_xchg(tickets + pj, 0)  # the pair's last program: reset the ticket, then merge
-    m = tl.full([BH], float("-inf"), tl.float32)  # the pair's chunks in order, one partial at a time:
-    l = tl.zeros([BH], tl.float32)                 # a merge over all MC at once would hold them all in
-    acc = tl.zeros([BH, D], tl.float32)            # registers for the whole kernel and cost it occupancy
-    for it in range(first, first + items):
-        crow = it * HPK + r
-        lse = tl.load(plse + crow, mask=r < HPK, other=0.0, cache_modifier=".cg")
-        part = tl.load(po + crow[:, None] * D + dd[None, :], mask=(r < HPK)[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        old, wgt = tl.exp2(m - m_new), tl.exp2(lse - m_new)
-        acc = acc * old[:, None] + wgt[:, None] * part
-        l = l * old + wgt
-        m = m_new
-    tl.store(optr, (acc / l[:, None]).to(o.dtype.element_ty), mask=act[:, None])
+    merged = merge_chunks(po, plse, first, items, r, HPK, BH, D)
+    tl.store(optr, merged.to(o.dtype.element_ty), mask=act[:, None])
 
 
 # The Triton kernel attention_decode launches, by a public name (research.sass builds it on its own).

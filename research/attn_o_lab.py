@@ -33,9 +33,9 @@ import triton.language as tl
 import cli
 import kernels
 import kernels_base
-from kernels_attention import attn_block, attention_decode
+from kernels_attention import attn_block, attention_decode, merge_chunks
 from kernels_step import live_ref
-from research.lab import cells, graph_rows, lab_main
+from research.lab import graph_rows, graph_table, lab_main
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP else "cuda"
@@ -86,20 +86,8 @@ def lab_attn_o(q, k, v, wo, res, o, out, live, po, plse, tickets, done, finished
                 tl.debug_barrier()  # the partial is stored before the ticket is taken (release)
                 if tl.atomic_add(tickets + j, 1) == NC - 1:  # the group's last item: merge in chunk order
                     tl.atomic_xchg(tickets + j, 0)
-                    m = tl.full([BH], float("-inf"), tl.float32)
-                    lsum = tl.zeros([BH], tl.float32)
-                    acc = tl.zeros([BH, HD], tl.float32)
-                    for it in range(j * NC, j * NC + NC):
-                        crow = it * HPK + r
-                        lse = tl.load(plse + crow, mask=act, other=0.0, cache_modifier=".cg")
-                        part = tl.load(po + crow[:, None] * HD + dd[None, :], mask=act[:, None], other=0.0,
-                                       cache_modifier=".cg")
-                        m_new = tl.maximum(m, lse)
-                        old, wgt = tl.exp2(m - m_new), tl.exp2(lse - m_new)
-                        acc = acc * old[:, None] + wgt[:, None] * part
-                        lsum = lsum * old + wgt
-                        m = m_new
-                    tl.store(optr, (acc / lsum[:, None]).to(o.dtype.element_ty), mask=act[:, None])
+                    merged = merge_chunks(po, plse, j * NC, NC, r, HPK, BH, HD)
+                    tl.store(optr, merged.to(o.dtype.element_ty), mask=act[:, None])
                     if ROLE == 0:
                         tl.debug_barrier()
                         tl.atomic_xchg(done + j, 1)
@@ -249,16 +237,13 @@ def sweep(copies=8, shape=LLAMA, kv_lens=(1024, 8192)):
 
 
 def markdown(m, rows):
-    lines = [f"# Decode attention and O in one launch, lab, on {m['gpu']}", "", f"torch {m['torch']}, triton "
-             f"{m['triton']}, {m['date']}, `{m['command']}`. Llama-3.1-8B's attention at batch 1 (32 query heads in 8 "
-             "groups of one KV head's 4, head dim 128, O 4096 x 4096), bf16, one token, a random group mask; CUDA-graph "
-             "replay over 8 copies of O's weight and the cache (L2 defeated), us per layer. TB/s: the live bytes (the "
-             "live groups' K and V, and O's live columns unless the row is attention alone) per second. Lab config: "
-             "(keys per attention item, keys per step, O's rows per program, num_warps).", "",
-             "| keys | skipped | kernel | us | TB/s of live bytes |", "|---|---|---|---|---|"]
-    lines += [f"| {r['kv_len']} | {r['skipped']:.0%} | {r['kernel']} | "
-              + " | ".join(cells(r, ("us", ".1f"), ("tb_s", ".2f"))) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return graph_table(
+        m, "Decode attention and O in one launch", "Llama-3.1-8B's attention at batch 1 (32 query heads in 8 groups of "
+        "one KV head's 4, head dim 128, O 4096 x 4096), bf16, one token, a random group mask; CUDA-graph replay over 8 "
+        "copies of O's weight and the cache (L2 defeated), us per layer. TB/s: the live bytes (the live groups' K and "
+        "V, and O's live columns unless the row is attention alone) per second. Lab config: (keys per attention item, "
+        "keys per step, O's rows per program, num_warps).",
+        [("keys", lambda r: str(r["kv_len"])), ("skipped", lambda r: f"{r['skipped']:.0%}")], "live bytes", rows)
 
 
 def on_cpu():

@@ -26,7 +26,7 @@ import triton.language as tl
 import cli
 import kernels
 from kernels_step import live_ref
-from research.lab import cells, graph_rows, lab_main
+from research.lab import graph_rows, graph_table, lab_main
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP else "cuda"
@@ -174,15 +174,12 @@ def sweep(copies=8, shape=(4096, 14336, 128)):
 
 
 def markdown(m, rows):
-    lines = [f"# One-token FFN in one launch, lab, on {m['gpu']}", "", f"torch {m['torch']}, triton {m['triton']}, "
-             f"{m['date']}, `{m['command']}`. Llama-3.1-8B's FFN (14336 channels in groups of 128, D 4096), bf16, one "
-             "token, a random group mask; CUDA-graph replay over 8 weight copies (L2 defeated), us per FFN. TB/s: the "
-             "live weight bytes (gate, up and down) per second. Lab config: (programs per SM for gate+up, its rows "
-             "per item, its K step, down's rows per program, num_warps).", "",
-             "| skipped | kernel | us | TB/s of live weights |", "|---|---|---|---|"]
-    lines += [f"| {r['skipped']:.0%} | {r['kernel']} | " + " | ".join(cells(r, ("us", ".1f"), ("tb_s", ".2f"))) + " |"
-              for r in rows]
-    return "\n".join(lines) + "\n"
+    return graph_table(
+        m, "One-token FFN in one launch", "Llama-3.1-8B's FFN (14336 channels in groups of 128, D 4096), bf16, one "
+        "token, a random group mask; CUDA-graph replay over 8 weight copies (L2 defeated), us per FFN. TB/s: the live "
+        "weight bytes (gate, up and down) per second. Lab config: (programs per SM for gate+up, its rows per item, its "
+        "K step, down's rows per program, num_warps).", [("skipped", lambda r: f"{r['skipped']:.0%}")], "live weights",
+        rows)
 
 
 def on_cpu():

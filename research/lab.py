@@ -54,3 +54,14 @@ def graph_rows(keys, timed, probs):
         us = graph_ms(False, [lambda p=p: fn(p) for p in probs]) * 1e3
         return dict(us=us, tb_s=nbytes / us / 1e6)
     return [lab_row(keys, name, lambda c=c, fn=fn, nb=nb: measure(c, fn, nb)) for name, c, fn, nb in timed]
+
+
+def graph_table(m, title, text, keys, bytes_name, rows):
+    """graph_rows' rows as markdown: the title, the run's versions and command, text, then one line per row: its keys
+    (header, row -> cell), the kernel, us and TB/s of bytes_name."""
+    head = [h for h, _ in keys] + ["kernel", "us", f"TB/s of {bytes_name}"]
+    lines = [f"# {title}, lab, on {m['gpu']}", "", f"torch {m['torch']}, triton {m['triton']}, {m['date']}, "
+             f"`{m['command']}`. {text}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join([cell(r) for _, cell in keys] + [r["kernel"]]
+                                + cells(r, ("us", ".1f"), ("tb_s", ".2f"))) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
